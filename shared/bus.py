@@ -1,0 +1,329 @@
+"""The event bus on NATS JetStream: one stream per event family, deduplicated publish, durable pull
+consumers with explicit ack and a dead-letter subject, request/reply for the data path, and blobs in the
+JetStream Object Store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import re
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StorageType, StreamConfig
+
+from shared.events import REGISTRY, Event, EventError, parse_event
+from shared.logging import get_logger
+from shared.tokens import digest_of
+
+FAMILIES: tuple[str, ...] = tuple(sorted({t.split(".", 1)[0] for t in REGISTRY}))
+DLQ_REASON = "Gyre-Dlq-Reason"
+DLQ_SUBJECT = "Gyre-Dlq-Subject"
+DLQ_DELIVERIES = "Gyre-Dlq-Deliveries"
+
+log = get_logger(component="bus")
+
+
+class BusError(Exception):
+    pass
+
+
+class ObjectDigestMismatch(BusError):
+    def __init__(self, name: str, expected: str, actual: str) -> None:
+        super().__init__(f"object {name!r}: expected digest {expected}, read {actual}")
+
+
+class PoisonMessage(BusError):
+    """Raised by a handler to dead-letter a message at once (it can never succeed)."""
+
+
+Handler = Callable[[Event, Msg], Awaitable[None]]
+RequestHandler = Callable[[bytes], Awaitable[bytes]]
+
+
+@dataclass(frozen=True)
+class ConsumerOptions:
+    ack_wait_s: float = 30.0
+    max_deliver: int = 5
+    backoff_s: Sequence[float] = (0.5, 2.0, 5.0)
+    batch: int = 256
+    fetch_timeout_s: float = 1.0
+
+
+class Bus:
+    def __init__(self, nc: NatsClient, js: JetStreamContext, prefix: str, duplicate_window_s: float) -> None:
+        self.nc = nc
+        self.js = js
+        self.prefix = prefix
+        self.duplicate_window_s = duplicate_window_s
+        self._stream_prefix = re.sub(r"[^A-Za-z0-9_-]", "_", prefix).upper()
+        self._object_store: Any = None
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str,
+        *,
+        prefix: str = "gyre",
+        duplicate_window_s: float = 120.0,
+        connect_timeout_s: float = 30.0,
+        name: str | None = None,
+    ) -> Bus:
+        """Connect (retrying until `connect_timeout_s`) and keep reconnecting forever after a drop."""
+        deadline = asyncio.get_running_loop().time() + connect_timeout_s
+        while True:
+            try:
+                nc = await nats.connect(
+                    url,
+                    name=name,
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.25,
+                    connect_timeout=2,
+                    allow_reconnect=True,
+                )
+                break
+            except (OSError, nats.errors.NoServersError, nats.errors.TimeoutError) as exc:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise BusError(f"could not reach NATS at {url}: {exc}") from exc
+                await asyncio.sleep(0.25)
+        return cls(nc, nc.jetstream(timeout=10), prefix, duplicate_window_s)
+
+    async def close(self) -> None:
+        if not self.nc.is_closed:
+            await self.nc.drain()
+
+    # ---- naming ----
+
+    def subject(self, event_type: str) -> str:
+        return f"{self.prefix}.{event_type}"
+
+    def stream_name(self, family: str) -> str:
+        return f"{self._stream_prefix}_{family.upper()}"
+
+    def dlq_subject(self, consumer: str) -> str:
+        return f"{self.prefix}.dlq.{consumer}"
+
+    @property
+    def dlq_stream(self) -> str:
+        return f"{self._stream_prefix}_DLQ"
+
+    async def ensure_streams(self) -> None:
+        """Create (or update) the family streams and the dead-letter stream. Idempotent."""
+        for family in FAMILIES:
+            await self._ensure_stream(self.stream_name(family), [f"{self.prefix}.{family}.>"])
+        await self._ensure_stream(self.dlq_stream, [f"{self.prefix}.dlq.>"])
+
+    async def _ensure_stream(self, name: str, subjects: list[str]) -> None:
+        config = StreamConfig(
+            name=name,
+            subjects=subjects,
+            storage=StorageType.FILE,
+            duplicate_window=self.duplicate_window_s,
+        )
+        try:
+            await self.js.add_stream(config)
+        except nats.js.errors.BadRequestError:
+            await self.js.update_stream(config)
+
+    async def delete_streams(self) -> None:
+        for name in [self.stream_name(f) for f in FAMILIES] + [self.dlq_stream]:
+            try:
+                await self.js.delete_stream(name)
+            except nats.js.errors.NotFoundError:
+                pass
+
+    # ---- publish ----
+
+    async def publish(self, event: Event) -> bool:
+        """Publish with `Nats-Msg-Id = event_id`; returns False when JetStream saw it as a duplicate."""
+        ack = await self.js.publish(
+            self.subject(event.type), event.to_json(), headers={"Nats-Msg-Id": str(event.event_id)}
+        )
+        return not ack.duplicate
+
+    async def publish_many(self, events: Sequence[Event]) -> int:
+        """Publish concurrently and wait for every ack; returns how many were new (not duplicates)."""
+        acks = await asyncio.gather(
+            *(
+                self.js.publish(self.subject(e.type), e.to_json(), headers={"Nats-Msg-Id": str(e.event_id)})
+                for e in events
+            )
+        )
+        return sum(1 for a in acks if not a.duplicate)
+
+    async def publish_raw(self, subject: str, payload: bytes, *, msg_id: str | None = None) -> None:
+        headers = {"Nats-Msg-Id": msg_id} if msg_id else None
+        await self.js.publish(subject, payload, headers=headers)
+
+    # ---- consume ----
+
+    async def consumer(
+        self,
+        durable: str,
+        event_types: Sequence[str],
+        options: ConsumerOptions | None = None,
+    ) -> list[JetStreamConsumer]:
+        """Durable pull consumers (one per family stream) filtered to `event_types`."""
+        options = options or ConsumerOptions()
+        by_family: dict[str, list[str]] = {}
+        for t in event_types:
+            by_family.setdefault(t.split(".", 1)[0], []).append(self.subject(t))
+        consumers = []
+        for family, subjects in sorted(by_family.items()):
+            name = f"{durable}-{family}"
+            config = ConsumerConfig(
+                durable_name=name,
+                ack_policy=AckPolicy.EXPLICIT,
+                deliver_policy=DeliverPolicy.ALL,
+                ack_wait=options.ack_wait_s,
+                max_deliver=options.max_deliver,
+                backoff=list(options.backoff_s) if options.backoff_s else None,
+                filter_subjects=subjects if len(subjects) > 1 else None,
+                filter_subject=subjects[0] if len(subjects) == 1 else None,
+                max_ack_pending=max(options.batch * 4, 1000),
+            )
+            # pull_subscribe creates the durable consumer once and binds to it after a restart.
+            sub = await self.js.pull_subscribe(subjects[0], durable=name, stream=self.stream_name(family), config=config)
+            consumers.append(JetStreamConsumer(self, durable, sub, options))
+        return consumers
+
+    async def dead_letter(self, consumer: str, msg: Msg, reason: str) -> None:
+        deliveries = str(msg.metadata.num_delivered) if msg.reply else "0"
+        headers = {
+            DLQ_REASON: reason[:2000],
+            DLQ_SUBJECT: msg.subject,
+            DLQ_DELIVERIES: deliveries,
+        }
+        await self.js.publish(self.dlq_subject(consumer), msg.data, headers=headers)
+        log.warning("dead_lettered", consumer=consumer, subject=msg.subject, reason=reason[:300])
+
+    async def read_dead_letters(self, consumer: str, *, timeout: float = 1.0) -> list[tuple[bytes, dict[str, str]]]:
+        """Every dead letter of `consumer` so far (an ephemeral ordered read; for operators and tests)."""
+        out: list[tuple[bytes, dict[str, str]]] = []
+        sub = await self.js.subscribe(self.dlq_subject(consumer), ordered_consumer=True)
+        try:
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=timeout)
+                except nats.errors.TimeoutError:
+                    return out
+                out.append((msg.data, dict(msg.headers or {})))
+        finally:
+            await sub.unsubscribe()
+
+    # ---- request/reply (data path) ----
+
+    async def request(self, subject: str, payload: bytes, *, timeout: float = 60.0) -> bytes:
+        msg = await self.nc.request(subject, payload, timeout=timeout)
+        return msg.data
+
+    async def serve(self, subject: str, handler: RequestHandler, *, queue: str = "") -> Any:
+        async def on_msg(msg: Msg) -> None:
+            try:
+                reply = await handler(msg.data)
+            except Exception as exc:  # the requester must get an answer, not a timeout
+                log.exception("request_handler_failed", subject=msg.subject)
+                reply = b'{"error":' + _json_str(f"{type(exc).__name__}: {exc}") + b"}"
+            await msg.respond(reply)
+
+        return await self.nc.subscribe(subject, queue=queue, cb=on_msg)
+
+    # ---- object store ----
+
+    async def _objects(self) -> Any:
+        if self._object_store is None:
+            bucket = f"{self._stream_prefix}-blobs".lower()
+            try:
+                self._object_store = await self.js.object_store(bucket)
+            except nats.js.errors.BucketNotFoundError:
+                self._object_store = await self.js.create_object_store(bucket)
+        return self._object_store
+
+    async def put_object(self, data: bytes, *, name: str | None = None) -> str:
+        """Store bytes under their digest (or `name`); returns the digest."""
+        digest = digest_of(data)
+        store = await self._objects()
+        await store.put(name or digest.replace(":", "-"), io.BytesIO(data))
+        return digest
+
+    async def get_object(self, name_or_digest: str, *, expected_digest: str | None = None) -> bytes:
+        store = await self._objects()
+        name = name_or_digest.replace(":", "-")
+        buf = io.BytesIO()
+        await store.get(name, writeinto=buf)
+        data = buf.getvalue()
+        expected = expected_digest or (name_or_digest if name_or_digest.startswith("sha256") else None)
+        if expected and digest_of(data) != expected.replace("-", ":", 1):
+            raise ObjectDigestMismatch(name, expected, digest_of(data))
+        return data
+
+
+def _json_str(text: str) -> bytes:
+    import json
+
+    return json.dumps(text).encode()
+
+
+class JetStreamConsumer:
+    """Fetch → parse → handle → ack. Malformed events and exhausted redeliveries go to the dead-letter subject."""
+
+    def __init__(self, bus: Bus, name: str, sub: JetStreamContext.PullSubscription, options: ConsumerOptions) -> None:
+        self.bus = bus
+        self.name = name
+        self.sub = sub
+        self.options = options
+
+    async def run(self, handler: Handler, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                msgs = await self.sub.fetch(self.options.batch, timeout=self.options.fetch_timeout_s)
+            except nats.errors.TimeoutError:
+                continue
+            except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError) as exc:
+                if self.bus.nc.is_closed:
+                    return
+                log.warning("fetch_interrupted", consumer=self.name, error=str(exc))
+                await asyncio.sleep(0.25)
+                continue
+            except nats.js.errors.APIError as exc:
+                log.warning("fetch_failed", consumer=self.name, error=str(exc))
+                await asyncio.sleep(0.25)
+                continue
+            for msg in msgs:
+                await self.handle_one(msg, handler)
+
+    async def handle_one(self, msg: Msg, handler: Handler) -> None:
+        try:
+            event = parse_event(msg.data)
+        except EventError as exc:
+            await self.bus.dead_letter(self.name, msg, f"malformed event: {exc}")
+            await msg.term()
+            return
+        try:
+            await handler(event, msg)
+        except PoisonMessage as exc:
+            await self.bus.dead_letter(self.name, msg, f"poison: {exc}")
+            await msg.term()
+            return
+        except Exception as exc:
+            delivered = msg.metadata.num_delivered
+            if delivered >= self.options.max_deliver:
+                await self.bus.dead_letter(
+                    self.name, msg, f"handler failed {delivered} times; last error {type(exc).__name__}: {exc}"
+                )
+                await msg.term()
+            else:
+                backoff = self.options.backoff_s
+                delay = backoff[min(delivered - 1, len(backoff) - 1)] if backoff else 0.5
+                log.warning("handler_failed", consumer=self.name, type=event.type, error=str(exc), retry_in=delay)
+                await msg.nak(delay=delay)
+            return
+        await msg.ack_sync()

@@ -1,0 +1,119 @@
+"""The call record: one model call stored as a delta against its execution's earlier calls.
+
+A call's full sequence is `seq(parent)[:parent_prefix_len] ⊕ new_prompt ⊕ completion`, where `seq(parent)` is
+the full sequence (prompt ⊕ completion) of an earlier call of the same execution. The writer (the rollout
+gateway) picks the earlier call sharing the longest prefix, so an execution costs O(unique tokens) bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from shared.tokens import decode_arrays, encode_arrays
+
+CALL_RECORD_MEDIA_TYPE = "application/x-gyre-call-record"
+
+
+class CallRecordError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class CallTokens:
+    """The token payload of one call record (what goes into the blob)."""
+
+    new_prompt: np.ndarray  # int32: prompt tokens not covered by the parent prefix
+    completion: np.ndarray  # int32: generated tokens (targets)
+    logprobs: np.ndarray  # float32: behaviour logprob of each completion token
+
+    def __post_init__(self) -> None:
+        if len(self.completion) != len(self.logprobs):
+            raise CallRecordError(
+                f"completion has {len(self.completion)} tokens but {len(self.logprobs)} logprobs"
+            )
+
+    def encode(self) -> bytes:
+        return encode_arrays([self.new_prompt, self.completion, self.logprobs])
+
+    @classmethod
+    def decode(cls, blob: bytes) -> CallTokens:
+        arrays = decode_arrays(blob)
+        if len(arrays) != 3:
+            raise CallRecordError(f"call record blob holds {len(arrays)} arrays, expected 3")
+        return cls(new_prompt=arrays[0], completion=arrays[1], logprobs=arrays[2])
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    """A decoded call: the metadata of its `call.completed` event plus its tokens."""
+
+    execution_id: str
+    call_id: str
+    call_index: int
+    parent_call_index: int | None
+    parent_prefix_len: int
+    tokens: CallTokens
+    policy_version: int
+    cell_id: str = ""
+    chain_id: str = "main"
+    branch_hint: str | None = None
+    finish_reason: str = "stop"
+
+    @property
+    def prompt_len(self) -> int:
+        return self.parent_prefix_len + len(self.tokens.new_prompt)
+
+
+@dataclass
+class ExecutionSequences:
+    """Materialises full call sequences from delta records, in call order (a pure helper)."""
+
+    sequences: list[np.ndarray] = field(default_factory=list)
+
+    def add(self, record: CallRecord) -> np.ndarray:
+        if record.call_index != len(self.sequences):
+            raise CallRecordError(
+                f"call {record.call_id}: expected call_index {len(self.sequences)}, got {record.call_index}"
+            )
+        if record.parent_call_index is None:
+            if record.parent_prefix_len != 0:
+                raise CallRecordError(f"call {record.call_id}: prefix length without a parent")
+            prefix = np.zeros(0, dtype=np.int32)
+        else:
+            if not 0 <= record.parent_call_index < len(self.sequences):
+                raise CallRecordError(
+                    f"call {record.call_id}: parent call {record.parent_call_index} is not an earlier call"
+                )
+            parent = self.sequences[record.parent_call_index]
+            if record.parent_prefix_len > len(parent):
+                raise CallRecordError(
+                    f"call {record.call_id}: prefix {record.parent_prefix_len} longer than parent ({len(parent)})"
+                )
+            prefix = parent[: record.parent_prefix_len]
+        seq = np.concatenate([prefix, record.tokens.new_prompt, record.tokens.completion]).astype(np.int32)
+        self.sequences.append(seq)
+        return seq
+
+
+def longest_prefix_parent(
+    earlier: Sequence[np.ndarray], prompt: np.ndarray
+) -> tuple[int | None, int]:
+    """Choose the earlier full sequence that shares the longest prefix with `prompt` (ties: latest call).
+
+    Returns (parent_call_index, shared_len). The latest call wins ties because continuations usually extend it.
+    """
+    best_index: int | None = None
+    best_len = 0
+    for index in range(len(earlier) - 1, -1, -1):
+        seq = earlier[index]
+        n = min(len(seq), len(prompt))
+        if n <= best_len:
+            continue
+        mismatch = np.flatnonzero(seq[:n] != prompt[:n])
+        shared = int(mismatch[0]) if mismatch.size else n
+        if shared > best_len:
+            best_index, best_len = index, shared
+    return best_index, best_len

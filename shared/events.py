@@ -1,0 +1,372 @@
+"""Gyre's event catalogue: a versioned envelope around one frozen payload model per event type.
+
+Every event crossing a service boundary is one of these; `parse_event` is the only way bytes become events.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import datetime
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class EventError(Exception):
+    """Base of every error raised while decoding or building events."""
+
+
+class UnknownEventType(EventError):
+    def __init__(self, event_type: str) -> None:
+        super().__init__(f"unknown event type {event_type!r}; known types: {', '.join(sorted(REGISTRY))}")
+        self.event_type = event_type
+
+
+class UnsupportedSchemaVersion(EventError):
+    def __init__(self, event_type: str, version: int, supported: int) -> None:
+        super().__init__(
+            f"event type {event_type!r} has schema_version {version}; this build reads versions 1..{supported}"
+        )
+        self.event_type = event_type
+        self.version = version
+
+
+class InvalidEventPayload(EventError):
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"invalid event: {detail}")
+        self.detail = detail
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+Role = Literal["rollout", "train", "idle"]
+BranchKind = Literal["continuation", "compaction", "delegation", "retry", "fork"]
+
+
+class BlobRef(_Frozen):
+    """A pointer to a content-addressed blob (token arrays, batches, weights, KV blocks)."""
+
+    digest: str = Field(pattern=r"^sha256:[0-9a-f]{64}$")
+    size: int = Field(ge=0)
+    media_type: str = "application/octet-stream"
+    store: Literal["pg", "object"] = "pg"
+
+
+class EventData(_Frozen):
+    """Base of every payload; subclasses set `TYPE` (the `<aggregate>.<event>` name) and `SCHEMA_VERSION`."""
+
+    TYPE: ClassVar[str]
+    SCHEMA_VERSION: ClassVar[int] = 1
+
+
+REGISTRY: dict[str, type[EventData]] = {}
+
+
+def register(cls: type[EventData]) -> type[EventData]:
+    if cls.TYPE in REGISTRY:
+        raise EventError(f"event type {cls.TYPE!r} registered twice")
+    REGISTRY[cls.TYPE] = cls
+    return cls
+
+
+# ---- cells -----------------------------------------------------------------------------------------
+
+
+@register
+class CellRegistered(EventData):
+    TYPE: ClassVar[str] = "cell.registered"
+    cell_id: str
+    node_id: str
+    accelerators: int = Field(ge=1)
+    device: str  # "cpu", "cuda", ...
+    memory_bytes: int = Field(ge=0)
+    kv_capacity_tokens: int = Field(ge=0)
+
+
+@register
+class CellAssigned(EventData):
+    TYPE: ClassVar[str] = "cell.assigned"
+    cell_id: str
+    role: Role
+    policy: str
+    reason: str = ""
+
+
+@register
+class CellDraining(EventData):
+    TYPE: ClassVar[str] = "cell.draining"
+    cell_id: str
+    from_role: Role
+    live_sessions: int = Field(ge=0)
+
+
+@register
+class CellReleased(EventData):
+    TYPE: ClassVar[str] = "cell.released"
+    cell_id: str
+    from_role: Role
+    migrated_sessions: int = Field(ge=0)
+    seconds: float = Field(ge=0)
+
+
+@register
+class CellReady(EventData):
+    TYPE: ClassVar[str] = "cell.ready"
+    cell_id: str
+    role: Role
+    switch_seconds: float = Field(ge=0)
+    policy_version: int | None = None
+
+
+# ---- rollout ---------------------------------------------------------------------------------------
+
+
+@register
+class KvMigrated(EventData):
+    TYPE: ClassVar[str] = "kv.migrated"
+    execution_id: str
+    from_cell: str
+    to_cell: str
+    tokens: int = Field(ge=0)
+    bytes: int = Field(ge=0)
+    seconds: float = Field(ge=0)
+    method: Literal["kv", "recompute"]
+
+
+@register
+class CallCompleted(EventData):
+    """One model call. Token arrays live in `record` (see shared.calls); the rest is a summary for readers."""
+
+    TYPE: ClassVar[str] = "call.completed"
+    execution_id: str
+    call_id: str
+    call_index: int = Field(ge=0)
+    record: BlobRef
+    parent_call_index: int | None = None
+    parent_prefix_len: int = Field(default=0, ge=0)
+    prompt_tokens: int = Field(ge=0)  # full prompt length (shared prefix + delta)
+    new_prompt_tokens: int = Field(ge=0)  # tokens stored by this call (the delta)
+    completion_tokens: int = Field(ge=0)
+    policy_version: int = Field(ge=0)
+    cell_id: str
+    chain_id: str = "main"
+    branch_hint: BranchKind | None = None
+    finish_reason: str = "stop"
+    api: Literal["anthropic", "openai", "internal"] = "anthropic"
+    latency_s: float = Field(default=0.0, ge=0)
+
+
+# ---- executions ------------------------------------------------------------------------------------
+
+
+@register
+class QueryDispatched(EventData):
+    """The scheduler orders one query (a task run as a group of `group_size` executions)."""
+
+    TYPE: ClassVar[str] = "query.dispatched"
+    query_id: str
+    task_id: str
+    group_size: int = Field(ge=1)
+    seeds: list[int]
+    step: int = Field(ge=0)  # the training step this query's group feeds
+    policy_version: int = Field(ge=0)
+    harness: str = "builtin"
+
+
+@register
+class ExecutionStarted(EventData):
+    TYPE: ClassVar[str] = "execution.started"
+    execution_id: str
+    query_id: str
+    task_id: str
+    group_size: int = Field(ge=1)
+    sample_index: int = Field(ge=0)
+    seed: int
+    step: int = Field(default=0, ge=0)
+    harness: str = "builtin"
+    policy_version: int = Field(default=0, ge=0)
+    wall_budget_s: float | None = None
+    call_budget: int | None = None
+
+
+@register
+class ExecutionBranched(EventData):
+    TYPE: ClassVar[str] = "execution.branched"
+    execution_id: str
+    kind: BranchKind
+    at_call_index: int = Field(ge=0)  # the first call on the new branch
+    from_call_index: int | None = None  # the call it branches from, when known
+    chain_id: str = "main"
+    reason: str = ""
+
+
+@register
+class ExecutionTimedOut(EventData):
+    TYPE: ClassVar[str] = "execution.timed_out"
+    execution_id: str
+    budget: Literal["wall_clock", "calls", "tokens", "crash"]
+    elapsed_s: float = Field(ge=0)
+    calls: int = Field(ge=0)
+
+
+@register
+class ExecutionFinished(EventData):
+    TYPE: ClassVar[str] = "execution.finished"
+    execution_id: str
+    elapsed_s: float = Field(ge=0)
+    calls: int = Field(ge=0)
+    stop_reason: str = "submitted"
+
+
+@register
+class ExecutionScored(EventData):
+    TYPE: ClassVar[str] = "execution.scored"
+    execution_id: str
+    query_id: str
+    reward: float
+    tests_passed: int = Field(ge=0)
+    tests_total: int = Field(ge=0)
+    timed_out: bool = False
+
+
+# ---- training --------------------------------------------------------------------------------------
+
+
+@register
+class BatchReady(EventData):
+    TYPE: ClassVar[str] = "batch.ready"
+    step: int = Field(ge=0)
+    batch: BlobRef
+    query_ids: list[str]
+    executions: int = Field(ge=0)
+    trees: int = Field(ge=0)
+    micro_batches: int = Field(ge=0)
+    unique_tokens: int = Field(ge=0)
+    flat_tokens: int = Field(ge=0)
+    target_tokens: int = Field(ge=0)
+    min_policy_version: int = Field(ge=0)
+    max_policy_version: int = Field(ge=0)
+
+
+@register
+class StepCompleted(EventData):
+    TYPE: ClassVar[str] = "step.completed"
+    step: int = Field(ge=0)
+    policy_version: int = Field(ge=0)
+    world_size: int = Field(ge=1)
+    seconds: float = Field(ge=0)
+    metrics: dict[str, float]
+
+
+@register
+class WeightsPublished(EventData):
+    TYPE: ClassVar[str] = "weights.published"
+    version: int = Field(ge=0)
+    step: int = Field(ge=-1)  # -1: the initial weights before any step
+    weights: BlobRef
+    format: Literal["safetensors"] = "safetensors"
+
+
+# ---- envelope --------------------------------------------------------------------------------------
+
+
+class Event(_Frozen):
+    """The versioned envelope. `occurred_at` is recorded once by the producer and never recomputed."""
+
+    event_id: uuid.UUID
+    type: str
+    schema_version: int = Field(ge=1)
+    run_id: str
+    stream_id: str
+    version: int = Field(ge=1)
+    occurred_at: datetime
+    causation_id: uuid.UUID | None = None
+    correlation_id: uuid.UUID | None = None
+    data: EventData
+
+    @property
+    def subject(self) -> str:
+        return f"gyre.{self.type}"
+
+    @property
+    def aggregate(self) -> str:
+        return self.type.split(".", 1)[0]
+
+    def to_dict(self) -> dict[str, Any]:
+        body = self.model_dump(mode="json", exclude={"data"})
+        body["data"] = self.data.model_dump(mode="json")
+        return body
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=True).encode()
+
+
+def new_event(
+    data: EventData,
+    *,
+    run_id: str,
+    stream_id: str,
+    version: int,
+    occurred_at: datetime,
+    causation_id: uuid.UUID | None = None,
+    correlation_id: uuid.UUID | None = None,
+    event_id: uuid.UUID | None = None,
+) -> Event:
+    """Build an envelope. Time and ids arrive as data so pure cores can build events deterministically."""
+    return Event(
+        event_id=event_id or uuid.uuid4(),
+        type=data.TYPE,
+        schema_version=data.SCHEMA_VERSION,
+        run_id=run_id,
+        stream_id=stream_id,
+        version=version,
+        occurred_at=occurred_at,
+        causation_id=causation_id,
+        correlation_id=correlation_id,
+        data=data,
+    )
+
+
+def parse_event(raw: bytes | str | dict[str, Any]) -> Event:
+    """Decode one event, raising UnknownEventType, UnsupportedSchemaVersion or InvalidEventPayload."""
+    if isinstance(raw, (bytes, str)):
+        try:
+            body = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise InvalidEventPayload(f"not JSON: {exc}") from exc
+    else:
+        body = dict(raw)
+    if not isinstance(body, dict):
+        raise InvalidEventPayload(f"expected a JSON object, got {type(body).__name__}")
+    event_type = body.get("type")
+    if not isinstance(event_type, str):
+        raise InvalidEventPayload("missing string field 'type'")
+    cls = REGISTRY.get(event_type)
+    if cls is None:
+        raise UnknownEventType(event_type)
+    version = body.get("schema_version")
+    if not isinstance(version, int) or version < 1 or version > cls.SCHEMA_VERSION:
+        if isinstance(version, int) and version >= 1:
+            raise UnsupportedSchemaVersion(event_type, version, cls.SCHEMA_VERSION)
+        raise InvalidEventPayload(f"field 'schema_version' must be a positive integer, got {version!r}")
+    try:
+        data = cls.model_validate(body.get("data"))
+        return Event.model_validate({**body, "data": data})
+    except ValidationError as exc:
+        raise InvalidEventPayload(f"{event_type}: {_first_errors(exc)}") from exc
+
+
+def _first_errors(exc: ValidationError, limit: int = 3) -> str:
+    parts = []
+    for err in exc.errors()[:limit]:
+        where = ".".join(str(p) for p in err["loc"]) or "<root>"
+        parts.append(f"{where}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def stream_id_for(aggregate: str, ident: str) -> str:
+    """Stream ids are `<aggregate>-<id>` (e.g. `execution-…`, `cell-…`, `step-…`)."""
+    return ident if ident.startswith(f"{aggregate}-") else f"{aggregate}-{ident}"

@@ -1,0 +1,112 @@
+"""The outbox relay: tails the Postgres event table and publishes each event to JetStream.
+
+It records its position only after JetStream acknowledged the publish. A crash before that republishes
+the same events on restart, and JetStream drops them as duplicates (`Nats-Msg-Id = event_id`), so no
+event is lost and none is delivered twice within the duplicate window.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import psycopg
+
+from shared.bus import Bus
+from shared.logging import get_logger
+from shared.store import EventStore
+
+log = get_logger(component="relay")
+
+
+class Waker:
+    """LISTENs on the store's channel; a notification is only a wake-up, readers go by position."""
+
+    def __init__(self, dsn: str, channel: str) -> None:
+        self.dsn = dsn
+        self.channel = channel
+        self._conn: psycopg.AsyncConnection | None = None
+
+    async def open(self) -> None:
+        self._conn = await psycopg.AsyncConnection.connect(self.dsn, autocommit=True)
+        await self._conn.execute(f'LISTEN "{self.channel}"')
+
+    async def wait(self, timeout: float) -> None:
+        if self._conn is None:
+            await asyncio.sleep(timeout)
+            return
+        try:
+            async for _ in self._conn.notifies(timeout=timeout, stop_after=1):
+                pass
+        except psycopg.OperationalError as exc:
+            log.warning("listen_lost", error=str(exc))
+            await self.close()
+            await asyncio.sleep(timeout)
+            try:
+                await self.open()
+            except psycopg.OperationalError:
+                self._conn = None
+
+    async def close(self) -> None:
+        if self._conn is not None:
+            await self._conn.close()
+            self._conn = None
+
+
+def plain_dsn(url: str) -> str:
+    return url.replace("postgresql+psycopg://", "postgresql://", 1)
+
+
+class OutboxRelay:
+    def __init__(
+        self,
+        store: EventStore,
+        bus: Bus,
+        *,
+        dsn: str,
+        name: str = "relay",
+        batch: int = 1000,
+        idle_wait_s: float = 1.0,
+        after_publish: Callable[[int], Awaitable[None]] | None = None,
+    ) -> None:
+        self.store = store
+        self.bus = bus
+        self.name = name
+        self.batch = batch
+        self.idle_wait_s = idle_wait_s
+        self.waker = Waker(plain_dsn(dsn), store.channel)
+        # Fault-injection hook for tests: runs after the publish is acked, before the position is saved.
+        self.after_publish = after_publish
+        self.published = 0
+
+    async def run_once(self) -> int:
+        """Publish everything after the saved position; returns how many events were sent."""
+        position = await self.store.get_position(self.name)
+        sent = 0
+        while True:
+            page = await self.store.read_after(position, limit=self.batch)
+            if not page:
+                return sent
+            await self.bus.publish_many([s.event for s in page])
+            last = page[-1].position
+            if self.after_publish is not None:
+                await self.after_publish(last)
+            await self.store.set_position(self.name, last)
+            position = last
+            sent += len(page)
+            self.published += len(page)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await self.waker.open()
+        try:
+            while not stop.is_set():
+                try:
+                    sent = await self.run_once()
+                except Exception as exc:  # the bus or the database is away: wait and go on from the log
+                    log.warning("relay_retry", error=f"{type(exc).__name__}: {exc}")
+                    await asyncio.sleep(0.5)
+                    continue
+                if sent == 0:
+                    await self.waker.wait(self.idle_wait_s)
+        finally:
+            await self.waker.close()

@@ -1,0 +1,226 @@
+"""The service runtime every Gyre process uses: settings, logging, store and bus connections with retry,
+exactly-once event handlers, append-and-publish, a health endpoint and graceful shutdown on SIGTERM.
+
+Writing a service:
+
+    class TrajectoryService(Service):
+        name = "trajectory"
+
+        async def setup(self) -> None:
+            self.on(["execution.scored", "call.completed"], self.handle)
+
+        async def handle(self, event: Event, tx: Transaction) -> None:
+            ...                      # effects through tx (tx.append, tx.put_blob, tx.connection)
+
+    if __name__ == "__main__":
+        TrajectoryService.main()
+
+A handler runs inside one store transaction that also records the event as processed by this service,
+so a redelivered event (crash before ack) is skipped: its effects were applied once, or not at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import UTC, datetime
+from typing import Any, ClassVar
+
+from nats.aio.msg import Msg
+
+from shared.bus import Bus, ConsumerOptions, JetStreamConsumer
+from shared.events import Event, EventData, new_event
+from shared.logging import configure_logging, get_logger
+from shared.settings import Settings, load_settings
+from shared.store import EventStore, Transaction
+
+EventHandler = Callable[[Event, Transaction], Awaitable[None]]
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Service:
+    name: ClassVar[str] = "service"
+
+    def __init__(self, settings: Settings | None = None) -> None:
+        self.settings = settings or load_settings()
+        self.log = get_logger(service=self.name, run_id=self.settings.run_id)
+        self.store: EventStore | None = None
+        self.bus: Bus | None = None
+        self.stop_event = asyncio.Event()
+        self._handlers: list[tuple[str, list[str], EventHandler, ConsumerOptions]] = []
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._health_server: asyncio.base_events.Server | None = None
+        self.started_at = time.monotonic()
+        self.processed = 0
+
+    # ---- hooks for subclasses ----
+
+    async def setup(self) -> None:
+        """Register handlers with `self.on(...)` and start background work. Runs after connecting."""
+
+    async def teardown(self) -> None:
+        """Release what `setup` acquired. Runs once on shutdown."""
+
+    def health(self) -> dict[str, Any]:
+        return {}
+
+    # ---- wiring ----
+
+    def on(
+        self,
+        event_types: Sequence[str],
+        handler: EventHandler,
+        *,
+        durable: str | None = None,
+        options: ConsumerOptions | None = None,
+    ) -> None:
+        options = options or ConsumerOptions(
+            ack_wait_s=self.settings.ack_wait_s,
+            max_deliver=self.settings.max_deliver,
+            backoff_s=tuple(self.settings.backoff_s),
+        )
+        self._handlers.append((durable or self.name, list(event_types), handler, options))
+
+    def spawn(self, coro: Awaitable[Any], *, name: str) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self._tasks.append(task)
+        return task
+
+    async def connect(self) -> None:
+        s = self.settings
+        if not s.database_url or not s.nats_url:
+            raise RuntimeError(
+                "GYRE_DATABASE_URL and GYRE_NATS_URL must be set for a service; `gyre up` prints them"
+            )
+        self.store = await _retry(
+            lambda: EventStore.connect(s.database_url, schema=s.db_schema), what="postgres", log=self.log
+        )
+        self.bus = await Bus.connect(
+            s.nats_url, prefix=s.subject_prefix, duplicate_window_s=s.duplicate_window_s, name=self.name
+        )
+        await self.bus.ensure_streams()
+
+    async def start(self) -> None:
+        """Connect, run `setup`, and start consumers and the health endpoint (returns once running)."""
+        await self.connect()
+        await self.setup()
+        assert self.bus is not None
+        for durable, types, handler, options in self._handlers:
+            for consumer in await self.bus.consumer(durable, types, options):
+                self.spawn(consumer.run(self._exactly_once(durable, handler), self.stop_event), name=consumer.name)
+        if self.settings.health_port:
+            self._health_server = await asyncio.start_server(
+                self._serve_health, "127.0.0.1", self.settings.health_port
+            )
+        self.log.info("service_started", handlers=[t for _, t, _, _ in self._handlers])
+
+    async def stop(self) -> None:
+        self.stop_event.set()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=10)
+            for task in self._tasks:
+                task.cancel()
+        await self.teardown()
+        if self._health_server is not None:
+            self._health_server.close()
+        if self.bus is not None:
+            await self.bus.close()
+        if self.store is not None:
+            await self.store.close()
+        self.log.info("service_stopped", processed=self.processed)
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop_event.set)
+        await self.start()
+        await self.stop_event.wait()
+        await self.stop()
+
+    @classmethod
+    def main(cls) -> None:
+        settings = load_settings()
+        configure_logging(cls.name, run_id=settings.run_id)
+        asyncio.run(cls(settings).run())
+
+    # ---- events ----
+
+    def _exactly_once(self, consumer: str, handler: EventHandler) -> Callable[[Event, Msg], Awaitable[None]]:
+        async def handle(event: Event, msg: Msg) -> None:
+            assert self.store is not None
+            async with self.store.transaction() as tx:
+                if not await tx.mark_processed(consumer, event.event_id):
+                    return
+                await handler(event, tx)
+            self.processed += 1
+
+        return handle
+
+    def event(
+        self,
+        data: EventData,
+        *,
+        stream_id: str,
+        version: int = 1,
+        cause: Event | None = None,
+        occurred_at: datetime | None = None,
+    ) -> Event:
+        """Build an event of this run; with `append(..., expected_version="any")` the store sets `version`."""
+        return new_event(
+            data,
+            run_id=self.settings.run_id,
+            stream_id=stream_id,
+            version=version,
+            occurred_at=occurred_at or utcnow(),
+            causation_id=cause.event_id if cause else None,
+            correlation_id=(cause.correlation_id or cause.event_id) if cause else None,
+        )
+
+    async def emit(self, events: Sequence[Event], *, expected_version: int | str | None = "any") -> list[int]:
+        """Append to the event log; the outbox relay publishes them to JetStream."""
+        assert self.store is not None
+        return await self.store.append(events, expected_version=expected_version)  # type: ignore[arg-type]
+
+    # ---- health ----
+
+    async def _serve_health(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+            pass
+        ok = self.bus is not None and self.bus.nc.is_connected and not self.stop_event.is_set()
+        body = json.dumps(
+            {"service": self.name, "ok": ok, "processed": self.processed,
+             "uptime_s": round(time.monotonic() - self.started_at, 1), **self.health()}
+        ).encode()
+        status = b"200 OK" if ok else b"503 Service Unavailable"
+        writer.write(
+            b"HTTP/1.1 " + status + b"\r\nContent-Type: application/json\r\nContent-Length: "
+            + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body
+        )
+        await writer.drain()
+        writer.close()
+
+
+async def _retry(factory: Callable[[], Awaitable[Any]], *, what: str, log: Any, timeout_s: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    delay = 0.2
+    while True:
+        try:
+            return await factory()
+        except Exception as exc:
+            if time.monotonic() > deadline:
+                raise
+            log.warning("connect_retry", target=what, error=str(exc), retry_in=delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
+__all__ = ["JetStreamConsumer", "Service", "utcnow"]

@@ -1,0 +1,400 @@
+"""The event store on PostgreSQL: append-only events with a gap-free global position, blobs, tracking.
+
+Appends take a transaction-scoped advisory lock just before inserting and hold it until commit, so global
+positions commit in order: a reader tailing `position > p` can never skip an event that commits late.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+import zlib
+from collections.abc import AsyncIterator, Iterable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import sqlalchemy as sa
+from alembic import command
+from alembic.config import Config
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+from shared.events import BlobRef, Event, parse_event
+from shared.tokens import digest_of
+
+MIGRATIONS = Path(__file__).parent / "migrations"
+
+metadata = sa.MetaData()
+events_table = sa.Table(
+    "events",
+    metadata,
+    sa.Column("position", sa.BigInteger, primary_key=True),
+    sa.Column("event_id", postgresql.UUID(as_uuid=True)),
+    sa.Column("stream_id", sa.Text),
+    sa.Column("version", sa.Integer),
+    sa.Column("type", sa.Text),
+    sa.Column("schema_version", sa.Integer),
+    sa.Column("run_id", sa.Text),
+    sa.Column("occurred_at", sa.DateTime(timezone=True)),
+    sa.Column("causation_id", postgresql.UUID(as_uuid=True)),
+    sa.Column("correlation_id", postgresql.UUID(as_uuid=True)),
+    sa.Column("data", postgresql.JSONB),
+)
+blobs_table = sa.Table(
+    "blobs",
+    metadata,
+    sa.Column("digest", sa.Text, primary_key=True),
+    sa.Column("size", sa.BigInteger),
+    sa.Column("media_type", sa.Text),
+    sa.Column("data", sa.LargeBinary),
+)
+tracking_table = sa.Table(
+    "tracking",
+    metadata,
+    sa.Column("consumer", sa.Text, primary_key=True),
+    sa.Column("event_id", postgresql.UUID(as_uuid=True), primary_key=True),
+)
+relay_table = sa.Table(
+    "relay_positions",
+    metadata,
+    sa.Column("name", sa.Text, primary_key=True),
+    sa.Column("position", sa.BigInteger),
+    sa.Column("updated_at", sa.DateTime(timezone=True)),
+)
+
+ExpectedVersion = int | Literal["any"] | None
+
+
+class StoreError(Exception):
+    pass
+
+
+class ConcurrencyConflict(StoreError):
+    """Another writer appended to the stream first (a `(stream_id, version)` key violation)."""
+
+    def __init__(self, stream_id: str, detail: str) -> None:
+        super().__init__(f"concurrency conflict on stream {stream_id!r}: {detail}")
+        self.stream_id = stream_id
+
+
+class DuplicateEvent(StoreError):
+    def __init__(self, event_id: uuid.UUID) -> None:
+        super().__init__(f"event {event_id} is already in the log")
+        self.event_id = event_id
+
+
+class BlobNotFound(StoreError):
+    def __init__(self, digest: str) -> None:
+        super().__init__(f"no blob with digest {digest}")
+        self.digest = digest
+
+
+class BlobCorrupted(StoreError):
+    def __init__(self, digest: str, actual: str) -> None:
+        super().__init__(f"blob {digest} reads back with digest {actual}")
+
+
+@dataclass(frozen=True)
+class StoredEvent:
+    position: int
+    event: Event
+
+
+def async_url(url: str) -> str:
+    """Accept `postgresql://` / `postgres://` URLs and select the psycopg 3 driver."""
+    for prefix in ("postgresql+psycopg://", "postgresql://", "postgres://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url[len(prefix) :]
+    raise StoreError(f"expected a postgresql:// URL, got {url!r}")
+
+
+def run_migrations(url: str, schema: str | None = None) -> None:
+    """Bring the database (and schema) up to the latest migration. Idempotent."""
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    config.attributes["url"] = async_url(url)
+    config.attributes["schema"] = schema
+    command.upgrade(config, "head")
+
+
+def _lock_key(schema: str | None) -> int:
+    return zlib.crc32(f"gyre-events:{schema or 'public'}".encode())
+
+
+def notify_channel(schema: str | None) -> str:
+    return f"gyre_events_{schema or 'public'}".lower()
+
+
+def _row_to_event(row: Any) -> StoredEvent:
+    body = {
+        "event_id": str(row.event_id),
+        "type": row.type,
+        "schema_version": row.schema_version,
+        "run_id": row.run_id,
+        "stream_id": row.stream_id,
+        "version": row.version,
+        "occurred_at": row.occurred_at.isoformat(),
+        "causation_id": str(row.causation_id) if row.causation_id else None,
+        "correlation_id": str(row.correlation_id) if row.correlation_id else None,
+        "data": row.data,
+    }
+    return StoredEvent(position=row.position, event=parse_event(body))
+
+
+class Transaction:
+    """One unit of work: tracking, service effects and appended events commit together or not at all.
+
+    Appends are buffered and written at commit, so the ordering lock is held only for the final inserts.
+    """
+
+    def __init__(self, store: EventStore, connection: AsyncConnection) -> None:
+        self.store = store
+        self.connection = connection
+        self._pending: list[tuple[list[Event], ExpectedVersion]] = []
+
+    def append(self, events: Sequence[Event], *, expected_version: ExpectedVersion = None) -> None:
+        self._pending.append((list(events), expected_version))
+
+    async def put_blob(self, data: bytes, media_type: str = "application/octet-stream") -> BlobRef:
+        return await self.store._put_blob(self.connection, data, media_type)
+
+    async def mark_processed(self, consumer: str, event_id: uuid.UUID) -> bool:
+        """Record that `consumer` handled the event; False if it already had (the effect must be skipped)."""
+        stmt = (
+            postgresql.insert(tracking_table)
+            .values(consumer=consumer, event_id=event_id)
+            .on_conflict_do_nothing()
+            .returning(tracking_table.c.event_id)
+        )
+        return (await self.connection.execute(stmt)).first() is not None
+
+    async def _flush(self) -> list[int]:
+        positions: list[int] = []
+        for events, expected in self._pending:
+            positions += await self.store._append(self.connection, events, expected)
+        self._pending.clear()
+        return positions
+
+
+class EventStore:
+    """Ports: append / read_stream / read_after (events), put_blob / get_blob (blobs), tracking, positions."""
+
+    def __init__(self, engine: AsyncEngine, schema: str | None = None) -> None:
+        self.engine = engine
+        self.schema = schema
+        self._lock_key = _lock_key(schema)
+        self.channel = notify_channel(schema)
+
+    @classmethod
+    async def connect(cls, url: str, *, schema: str | None = None, migrate: bool = False, pool_size: int = 5) -> EventStore:
+        if migrate:
+            import asyncio
+
+            await asyncio.to_thread(run_migrations, url, schema)
+        connect_args: dict[str, Any] = {}
+        if schema:
+            connect_args["options"] = f"-csearch_path={schema}"
+        engine = create_async_engine(
+            async_url(url), connect_args=connect_args, pool_size=pool_size, pool_pre_ping=True
+        )
+        try:
+            async with engine.connect() as conn:  # fail here, not on first use, when the server is away
+                await conn.execute(sa.text("SELECT 1"))
+        except Exception:
+            await engine.dispose()
+            raise
+        return cls(engine, schema)
+
+    async def close(self) -> None:
+        await self.engine.dispose()
+
+    # ---- transactions ----
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[Transaction]:
+        async with self.engine.connect() as conn:
+            async with conn.begin():
+                tx = Transaction(self, conn)
+                yield tx
+                await tx._flush()
+
+    # ---- events ----
+
+    async def append(self, events: Sequence[Event], *, expected_version: ExpectedVersion = None) -> list[int]:
+        """Append events atomically and return their global positions.
+
+        expected_version: None = the events' own versions must be free; int = the stream (all events share
+        one) must currently be at that version; "any" = the store assigns the next versions per stream.
+        """
+        async with self.engine.connect() as conn:
+            async with conn.begin():
+                return await self._append(conn, events, expected_version)
+
+    async def _append(self, conn: AsyncConnection, events: Sequence[Event], expected: ExpectedVersion) -> list[int]:
+        if not events:
+            return []
+        await conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": self._lock_key})
+        events = list(events)
+        if expected is not None:
+            events = await self._with_versions(conn, events, expected)
+        rows = [
+            {
+                "event_id": e.event_id,
+                "stream_id": e.stream_id,
+                "version": e.version,
+                "type": e.type,
+                "schema_version": e.schema_version,
+                "run_id": e.run_id,
+                "occurred_at": e.occurred_at,
+                "causation_id": e.causation_id,
+                "correlation_id": e.correlation_id,
+                "data": e.data.model_dump(mode="json"),
+            }
+            for e in events
+        ]
+        try:
+            async with conn.begin_nested():
+                result = await conn.execute(
+                    postgresql.insert(events_table).returning(events_table.c.position), rows
+                )
+                positions = [r[0] for r in result]
+        except IntegrityError as exc:
+            constraint = getattr(getattr(exc.orig, "diag", None), "constraint_name", "") or ""
+            if "event_id" in constraint:
+                raise DuplicateEvent(events[0].event_id) from exc
+            raise ConcurrencyConflict(events[0].stream_id, "a version being appended already exists") from exc
+        await conn.execute(sa.text("SELECT pg_notify(:ch, :p)"), {"ch": self.channel, "p": str(positions[-1])})
+        return positions
+
+    async def _with_versions(self, conn: AsyncConnection, events: list[Event], expected: ExpectedVersion) -> list[Event]:
+        streams = sorted({e.stream_id for e in events})
+        current = await self._stream_versions(conn, streams)
+        if expected == "any":
+            out = []
+            for e in events:
+                current[e.stream_id] += 1
+                out.append(e.model_copy(update={"version": current[e.stream_id]}))
+            return out
+        assert isinstance(expected, int)
+        if len(streams) != 1:
+            raise StoreError(f"an expected version applies to one stream; got events for {streams}")
+        stream = streams[0]
+        if current[stream] != expected:
+            raise ConcurrencyConflict(stream, f"expected version {expected}, stream is at {current[stream]}")
+        return [e.model_copy(update={"version": expected + i + 1}) for i, e in enumerate(events)]
+
+    async def _stream_versions(self, conn: AsyncConnection, streams: Iterable[str]) -> dict[str, int]:
+        streams = list(streams)
+        stmt = (
+            sa.select(events_table.c.stream_id, sa.func.max(events_table.c.version))
+            .where(events_table.c.stream_id.in_(streams))
+            .group_by(events_table.c.stream_id)
+        )
+        found = {row[0]: row[1] for row in await conn.execute(stmt)}
+        return {s: int(found.get(s) or 0) for s in streams}
+
+    async def stream_version(self, stream_id: str) -> int:
+        async with self.engine.connect() as conn:
+            return (await self._stream_versions(conn, [stream_id]))[stream_id]
+
+    async def read_stream(self, stream_id: str, *, from_version: int = 1) -> list[StoredEvent]:
+        stmt = (
+            sa.select(events_table)
+            .where(events_table.c.stream_id == stream_id, events_table.c.version >= from_version)
+            .order_by(events_table.c.version)
+        )
+        async with self.engine.connect() as conn:
+            return [_row_to_event(r) for r in await conn.execute(stmt)]
+
+    async def read_after(
+        self,
+        position: int,
+        *,
+        limit: int = 1000,
+        types: Sequence[str] | None = None,
+        run_id: str | None = None,
+    ) -> list[StoredEvent]:
+        """Events with a global position above `position`, in commit order."""
+        stmt = sa.select(events_table).where(events_table.c.position > position)
+        if types:
+            stmt = stmt.where(events_table.c.type.in_(list(types)))
+        if run_id:
+            stmt = stmt.where(events_table.c.run_id == run_id)
+        stmt = stmt.order_by(events_table.c.position).limit(limit)
+        async with self.engine.connect() as conn:
+            return [_row_to_event(r) for r in await conn.execute(stmt)]
+
+    async def read_all(self, *, types: Sequence[str] | None = None, run_id: str | None = None) -> list[StoredEvent]:
+        out: list[StoredEvent] = []
+        position = 0
+        while True:
+            page = await self.read_after(position, limit=5000, types=types, run_id=run_id)
+            if not page:
+                return out
+            out += page
+            position = page[-1].position
+
+    async def head_position(self) -> int:
+        async with self.engine.connect() as conn:
+            value = (await conn.execute(sa.select(sa.func.max(events_table.c.position)))).scalar()
+        return int(value or 0)
+
+    # ---- blobs ----
+
+    async def put_blob(self, data: bytes, media_type: str = "application/octet-stream") -> BlobRef:
+        async with self.engine.connect() as conn:
+            async with conn.begin():
+                return await self._put_blob(conn, data, media_type)
+
+    async def _put_blob(self, conn: AsyncConnection, data: bytes, media_type: str) -> BlobRef:
+        digest = digest_of(data)
+        stmt = (
+            postgresql.insert(blobs_table)
+            .values(digest=digest, size=len(data), media_type=media_type, data=data)
+            .on_conflict_do_nothing()
+        )
+        await conn.execute(stmt)
+        return BlobRef(digest=digest, size=len(data), media_type=media_type, store="pg")
+
+    async def get_blob(self, ref: BlobRef | str) -> bytes:
+        digest = ref.digest if isinstance(ref, BlobRef) else ref
+        async with self.engine.connect() as conn:
+            data = (await conn.execute(sa.select(blobs_table.c.data).where(blobs_table.c.digest == digest))).scalar()
+        if data is None:
+            raise BlobNotFound(digest)
+        actual = "sha256:" + hashlib.sha256(data).hexdigest()
+        if actual != digest:
+            raise BlobCorrupted(digest, actual)
+        return bytes(data)
+
+    async def has_blob(self, digest: str) -> bool:
+        async with self.engine.connect() as conn:
+            stmt = sa.select(blobs_table.c.digest).where(blobs_table.c.digest == digest)
+            return (await conn.execute(stmt)).first() is not None
+
+    # ---- tracking and positions ----
+
+    async def is_processed(self, consumer: str, event_id: uuid.UUID) -> bool:
+        stmt = sa.select(tracking_table.c.event_id).where(
+            tracking_table.c.consumer == consumer, tracking_table.c.event_id == event_id
+        )
+        async with self.engine.connect() as conn:
+            return (await conn.execute(stmt)).first() is not None
+
+    async def get_position(self, name: str) -> int:
+        async with self.engine.connect() as conn:
+            value = (await conn.execute(sa.select(relay_table.c.position).where(relay_table.c.name == name))).scalar()
+        return int(value or 0)
+
+    async def set_position(self, name: str, position: int) -> None:
+        stmt = postgresql.insert(relay_table).values(name=name, position=position)
+        stmt = stmt.on_conflict_do_update(
+            index_elements=[relay_table.c.name],
+            set_={"position": stmt.excluded.position, "updated_at": sa.func.now()},
+        )
+        async with self.engine.connect() as conn:
+            async with conn.begin():
+                await conn.execute(stmt)

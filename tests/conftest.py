@@ -1,0 +1,131 @@
+"""Test infrastructure: real PostgreSQL and nats-server, given by URL or started embedded by the suite.
+
+Every test that touches them gets its own Postgres schema and its own subject/stream prefix, and cleans up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from shared.bus import Bus
+from shared.local import EmbeddedNats, EmbeddedPostgres
+from shared.store import EventStore, async_url, run_migrations
+
+
+@dataclass
+class Infra:
+    kind: str  # "url" or "embedded"
+    nats_url: str
+    database_url: str
+    nats: EmbeddedNats | None = None
+    postgres: EmbeddedPostgres | None = None
+
+
+def _urls_configured() -> bool:
+    return bool(os.environ.get("GYRE_DATABASE_URL") and os.environ.get("GYRE_NATS_URL"))
+
+
+@pytest.fixture(scope="session")
+def embedded_infra(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Infra]:
+    state = tmp_path_factory.mktemp("gyre-infra")
+    nats = EmbeddedNats(state)
+    pg = EmbeddedPostgres(state)
+    nats.start()
+    pg.start()
+    try:
+        yield Infra("embedded", nats.url, pg.url, nats, pg)
+    finally:
+        nats.stop()
+        pg.stop(mode="immediate")
+
+
+@pytest.fixture(scope="session")
+def url_infra() -> Infra:
+    if not _urls_configured():
+        pytest.skip("GYRE_DATABASE_URL / GYRE_NATS_URL are not set: no servers given by URL")
+    return Infra("url", os.environ["GYRE_NATS_URL"], os.environ["GYRE_DATABASE_URL"])
+
+
+def _backends() -> list[str]:
+    return ["embedded", "url"] if _urls_configured() else ["embedded"]
+
+
+@pytest.fixture(params=_backends())
+def backend(request: pytest.FixtureRequest) -> Infra:
+    """Contract suites run once per backend: embedded always, by URL when URLs are configured."""
+    return request.getfixturevalue(f"{request.param}_infra")
+
+
+@pytest.fixture(scope="session")
+def infra(request: pytest.FixtureRequest) -> Infra:
+    """The servers for everything else: by URL when configured, embedded otherwise."""
+    return request.getfixturevalue("url_infra" if _urls_configured() else "embedded_infra")
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex[:10]}"
+
+
+async def make_store(database_url: str) -> EventStore:
+    schema = unique("t_")
+    await asyncio.to_thread(run_migrations, database_url, schema)
+    return await EventStore.connect(database_url, schema=schema)
+
+
+async def drop_store(store: EventStore) -> None:
+    async with store.engine.connect() as conn:
+        await conn.execute(sa.text(f'DROP SCHEMA IF EXISTS "{store.schema}" CASCADE'))
+        await conn.commit()
+    await store.close()
+
+
+async def make_bus(nats_url: str) -> Bus:
+    bus = await Bus.connect(nats_url, prefix=unique("t"), duplicate_window_s=120)
+    await bus.ensure_streams()
+    return bus
+
+
+async def drop_bus(bus: Bus) -> None:
+    if bus.nc.is_connected:
+        await bus.delete_streams()
+        try:
+            await bus.js.delete_object_store(f"{bus._stream_prefix}-blobs".lower())
+        except Exception:
+            pass
+    await bus.close()
+
+
+@pytest.fixture
+async def store(infra: Infra) -> AsyncIterator[EventStore]:
+    s = await make_store(infra.database_url)
+    yield s
+    await drop_store(s)
+
+
+@pytest.fixture
+async def bus(infra: Infra) -> AsyncIterator[Bus]:
+    b = await make_bus(infra.nats_url)
+    yield b
+    await drop_bus(b)
+
+
+@pytest.fixture
+def repo_root() -> Path:
+    return Path(__file__).resolve().parents[1]
+
+
+def database_url_for(store: EventStore, base_url: str) -> str:
+    """A URL whose connections use the store's schema (for subprocesses)."""
+    sep = "&" if "?" in base_url else "?"
+    return f"{base_url}{sep}options=-csearch_path%3D{store.schema}"
+
+
+__all__ = ["Infra", "async_url", "database_url_for", "drop_bus", "drop_store", "make_bus", "make_store", "unique"]
