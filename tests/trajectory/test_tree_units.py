@@ -1,0 +1,299 @@
+"""Unit tests: branch classification, drift, labels, cap selection, advantages, subtree splitting."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from services.trajectory.advantages import AdvantageError, ExecutionReward, compute_advantages
+from services.trajectory.cap import CapError, cap_tree, select_leaves
+from services.trajectory.packing import (
+    ExecutionInput,
+    PackingError,
+    build_training_batch,
+    first_fit_decreasing,
+    pack_trees,
+    split_tree,
+)
+from services.trajectory.synthetic import ExecutionLog
+from services.trajectory.tree import BranchLabel, TreeBuildError, build_tree
+from shared.batch import TrainingBatch
+from shared.calls import CallRecord, CallTokens
+
+SYS = [100, 101, 102]  # "system prompt"
+TASK = [200, 201]
+USER, ASSIST = 300, 301  # role headers: the prompt ends with ASSIST, generated text follows
+
+
+def kinds(log: ExecutionLog, labels: tuple[BranchLabel, ...] = ()) -> list[str]:
+    return [c.kind for c in build_tree(log.execution_id, log.records, labels).calls]
+
+
+def test_continuation_extends_the_previous_call_on_one_path() -> None:
+    log = ExecutionLog("e")
+    log.call(SYS + TASK + [ASSIST], [1, 2, 3])
+    log.call(log.sequence(0).tolist() + [USER, 7, ASSIST], [4, 5])
+    tree = build_tree("e", log.records)
+    assert kinds(log) == ["root", "continuation"]
+    assert tree.stats().trajectories == 1 and tree.num_nodes == 1
+    assert tree.stats().flat_tokens == tree.num_tokens == len(log.sequence(1))
+
+
+def test_generated_tokens_stay_targets_when_resent_as_prompt() -> None:
+    log = ExecutionLog("e")
+    log.call(SYS + [ASSIST], [1, 2, 3])
+    log.call(log.sequence(0).tolist() + [USER, ASSIST], [4])
+    tree = build_tree("e", log.records)
+    path = tree.call_positions(1)
+    assert tree.is_target[path].tolist() == [False] * 4 + [True] * 3 + [False, False, True]
+    assert tree.call_index[path][4:7].tolist() == [0, 0, 0]
+
+
+def test_retry_branch_shares_prefix_with_original() -> None:
+    log = ExecutionLog("e")
+    log.call(SYS + [ASSIST], [1, 2, 3])
+    log.call(SYS + [ASSIST], [1, 9])  # re-sample from the same prompt; first token coincides
+    tree = build_tree("e", log.records)
+    assert kinds(log) == ["root", "retry"]
+    placement = tree.calls[1]
+    assert placement.shared_len == 5 and placement.matched_len == 5
+    assert tree.stats().trajectories == 2
+    assert tree.num_targets == 4  # 1, 2, 3 and 9: the shared "1" counted once
+    first = tree.call_positions(0)[4]
+    assert tree.call_index[first] == 0  # the first generator keeps the attribution
+
+
+def test_compaction_replaces_context_with_a_shorter_summary() -> None:
+    log = ExecutionLog("e")
+    log.call(SYS + TASK + [ASSIST], [1, 2, 3, 4])
+    log.call(log.sequence(0).tolist() + [USER, 5, 6, ASSIST], [7, 8])
+    log.call(SYS + TASK + [USER, 50, 51, ASSIST], [9])  # summary of the above
+    assert kinds(log) == ["root", "continuation", "compaction"]
+
+
+def test_first_call_of_a_new_chain_is_a_delegation() -> None:
+    log = ExecutionLog("e")
+    log.call(SYS + TASK + [ASSIST], [1, 2])
+    log.call(SYS + [USER, 60, ASSIST], [61], chain_id="agent-1")
+    log.call(log.sequence(1).tolist() + [USER, 62, ASSIST], [63], chain_id="agent-1")
+    log.call(log.sequence(0).tolist() + [USER, 64, ASSIST], [65])  # main chain resumes with the result
+    assert kinds(log) == ["root", "delegation", "continuation", "continuation"]
+
+
+def test_retokenization_drift_is_a_fork_and_keeps_the_original_targets() -> None:
+    log = ExecutionLog("e")
+    log.call(SYS + [ASSIST], [1, 2, 3, 4])
+    # The harness re-rendered the assistant text: 3, 4 became 33 — a divergence inside generated tokens.
+    log.call(SYS + [ASSIST, 1, 2, 33, USER, ASSIST], [5])
+    tree = build_tree("e", log.records)
+    assert kinds(log) == ["root", "fork"]
+    original = tree.call_positions(0)
+    assert tree.tokens[original].tolist() == SYS + [ASSIST, 1, 2, 3, 4]
+    assert tree.is_target[original].tolist() == [False] * 4 + [True] * 4
+    drifted = tree.call_positions(1)
+    np.testing.assert_array_equal(drifted[:6], original[:6])  # shared up to the divergence
+    # the re-rendered tokens are context on the new branch, not targets
+    assert tree.is_target[drifted[6:]].tolist() == [False, False, False, True]
+    assert tree.stats().trajectories == 2
+
+
+def test_other_divergence_is_a_fork() -> None:
+    log = ExecutionLog("e")
+    log.call(SYS + [ASSIST], [1])
+    log.call(SYS + [77, 78, 79, 80, ASSIST], [2])  # history rewritten to something longer
+    assert kinds(log) == ["root", "fork"]
+
+
+def test_branch_label_overrides_hint_and_inference() -> None:
+    log = ExecutionLog("e")
+    log.call(SYS + [ASSIST], [1, 2])
+    log.call(SYS + [ASSIST], [3], branch_hint="fork")
+    log.call(SYS + [ASSIST], [4])
+    labels = (BranchLabel(at_call_index=2, kind="compaction"),)
+    tree = build_tree("e", log.records, labels)
+    assert [(c.kind, c.source) for c in tree.calls] == [
+        ("root", "root"),
+        ("fork", "hint"),
+        ("compaction", "label"),
+    ]
+    assert tree.stats().branches == {"continuation": 0, "compaction": 1, "delegation": 0, "retry": 0, "fork": 1}
+
+
+def test_unknown_label_kind_is_rejected() -> None:
+    with pytest.raises(TreeBuildError, match="unknown kind"):
+        build_tree("e", [], [BranchLabel(at_call_index=1, kind="teleport")])
+
+
+def test_gap_in_call_indices_is_rejected() -> None:
+    log = ExecutionLog("e")
+    log.call([1], [2])
+    log.call([1, 2], [3])
+    with pytest.raises(TreeBuildError, match="expected call_index 0"):
+        build_tree("e", log.records[1:])
+
+
+def test_parent_prefix_longer_than_parent_is_rejected() -> None:
+    log = ExecutionLog("e")
+    log.call([1], [2])
+    bad = CallRecord("e", "c1", 1, 0, 5, CallTokens(np.array([3], np.int32), np.zeros(0, np.int32),
+                                                     np.zeros(0, np.float32)), 0)
+    with pytest.raises(TreeBuildError, match="exceeds parent"):
+        build_tree("e", [log.records[0], bad])
+
+
+# ---- cap ---------------------------------------------------------------------------------------
+
+
+def _fan_tree(execution_id: str = "e") -> ExecutionLog:
+    """Root prompt, then retries with 3, 1, 3 and 2 generated tokens."""
+    log = ExecutionLog(execution_id)
+    log.call(SYS + [ASSIST], [1, 2, 3])
+    log.call(SYS + [ASSIST], [4])
+    log.call(SYS + [ASSIST], [5, 6, 7])
+    log.call(SYS + [ASSIST], [8, 9])
+    return log
+
+
+def test_cap_keeps_most_uncovered_targets_ties_by_earliest_call() -> None:
+    tree = build_tree("e", _fan_tree().records)
+    leaves = tree.leaves()
+    by_call = {int(tree.node_first_call[leaf]): int(leaf) for leaf in leaves}
+    # calls 0 and 2 tie at 3 targets: call 0 first; then call 2; then call 3 (2 targets); then call 1
+    assert select_leaves(tree, 4) == [by_call[0], by_call[2], by_call[3], by_call[1]]
+    result = cap_tree(tree, 2)
+    assert result.kept_targets == 6 and result.dropped_targets == 3 and result.dropped_trajectories == 2
+    assert sorted(result.tree.tokens[result.tree.is_target].tolist()) == [1, 2, 3, 5, 6, 7]
+    assert result.tree.stats().trajectories == 2
+
+
+def test_cap_counts_shared_targets_once() -> None:
+    log = ExecutionLog("e")
+    log.call(SYS + [ASSIST], [1, 2, 3, 4, 5])  # a long shared generation
+    log.call(log.sequence(0).tolist() + [USER, ASSIST], [6])  # leaf A: shares 5 targets, adds 1
+    log.call(SYS + [ASSIST], [7, 8, 9])  # leaf B: 3 own targets
+    log.call(log.sequence(0).tolist() + [USER, 10, ASSIST], [11, 12])  # leaf C: shares 5, adds 2
+    tree = build_tree("e", log.records)
+    chosen = select_leaves(tree, 2)
+    first_calls = [int(tree.node_first_call[c]) for c in chosen]
+    assert first_calls == [3, 2]  # C covers 7 new; then B adds 3 while A would add only 1
+
+
+def test_cap_stops_when_no_leaf_adds_a_target() -> None:
+    log = ExecutionLog("e")
+    log.call(SYS + [ASSIST], [1])
+    log.call(SYS + [USER, 5, 6], [])  # a context-only branch (e.g. a failed call)
+    tree = build_tree("e", log.records)
+    assert tree.stats().trajectories == 2
+    assert len(select_leaves(tree, 5)) == 1
+
+
+def test_cap_rejects_nonpositive_k() -> None:
+    with pytest.raises(CapError):
+        select_leaves(build_tree("e", _fan_tree().records), 0)
+
+
+# ---- advantages --------------------------------------------------------------------------------
+
+
+def test_advantages_are_group_normalised() -> None:
+    rewards = [ExecutionReward(f"e{i}", "q1", r) for i, r in enumerate([0.0, 1.0, 1.0, 0.0])]
+    rewards.append(ExecutionReward("t1", "q2", 0.5, timed_out=True))
+    rewards.append(ExecutionReward("t2", "q2", 0.0))
+    result = compute_advantages(rewards, eps=0.0)
+    adv = result.by_execution()
+    assert [adv[f"e{i}"].advantage for i in range(4)] == pytest.approx([-1.0, 1.0, 1.0, -1.0])
+    # a timed-out execution's score counts like any other
+    assert adv["t1"].advantage == pytest.approx(1.0) and adv["t1"].timed_out
+    assert adv["t2"].advantage == pytest.approx(-1.0)
+
+
+def test_zero_variance_groups_are_flagged_and_optionally_dropped() -> None:
+    rewards = [ExecutionReward("a", "q1", 1.0), ExecutionReward("b", "q1", 1.0), ExecutionReward("c", "q2", 0.0),
+               ExecutionReward("d", "q2", 1.0)]
+    kept = compute_advantages(rewards)
+    assert [g.zero_variance for g in kept.groups] == [True, False]
+    assert kept.by_execution()["a"].advantage == 0.0 and kept.by_execution()["a"].zero_variance
+    dropped = compute_advantages(rewards, drop_zero_variance=True)
+    assert set(dropped.by_execution()) == {"c", "d"} and dropped.groups[0].dropped
+
+
+def test_incomplete_group_is_rejected_when_size_given() -> None:
+    with pytest.raises(AdvantageError, match="expected a group of 16"):
+        compute_advantages([ExecutionReward("a", "q", 1.0)], group_size=16)
+
+
+# ---- packing -----------------------------------------------------------------------------------
+
+
+def _long_log(execution_id: str = "e") -> ExecutionLog:
+    log = ExecutionLog(execution_id)
+    log.call(SYS + TASK + [ASSIST], [1, 2, 3, 4, 5, 6])
+    log.call(log.sequence(0).tolist() + [USER, ASSIST], [7, 8, 9, 10])
+    log.call(SYS + TASK + [ASSIST], [11, 12, 13])
+    log.call(SYS + [USER, 14, ASSIST], [15, 16, 17, 18, 19], chain_id="sub")
+    return log
+
+
+def test_subtree_splitting_trains_every_target_once_under_a_small_budget() -> None:
+    tree = build_tree("e", _long_log().records)
+    budget = int(tree.depth.max()) + 2
+    assert tree.num_tokens > budget
+    pieces = split_tree(tree, 0, budget)
+    assert len(pieces) > 1
+    assert all(p.num_tokens <= budget for p in pieces)
+    # the ranges partition the tree
+    assert [p.source_start for p in pieces][0] == 0 and pieces[-1].source_end == tree.num_tokens
+    assert all(a.source_end == b.source_start for a, b in zip(pieces, pieces[1:]))
+    total_targets = sum(p.target_pos.shape[0] for p in pieces)
+    assert total_targets == tree.num_targets
+    # a later piece starts with its carried ancestor path: position ids 0, 1, 2, ...
+    later = pieces[1]
+    carried = int(tree.depth[later.source_start])
+    assert later.position_ids[:carried].tolist() == list(range(carried))
+    assert not np.isin(np.arange(carried), later.target_pos).any()  # carried tokens are context only
+
+
+def test_budget_below_trajectory_depth_is_a_named_error() -> None:
+    tree = build_tree("e", _long_log().records)
+    with pytest.raises(PackingError, match="exceeds the micro-batch budget"):
+        split_tree(tree, 0, 4)
+
+
+def test_first_fit_decreasing_fills_bins_in_size_order() -> None:
+    assert first_fit_decreasing([3, 7, 5, 2, 4], 10) == [[1, 0], [2, 4], [3]]
+
+
+def test_whole_trees_share_a_micro_batch_without_attending_each_other() -> None:
+    a = build_tree("a", _fan_tree("a").records)
+    b = build_tree("b", _long_log("b").records)
+    mbs = pack_trees([(a, 0), (b, 1)], a.num_tokens + b.num_tokens)
+    assert len(mbs) == 1
+    mb = mbs[0]
+    mb.validate(2)
+    first = b.num_tokens  # b is bigger, so it is placed first
+    assert b.num_tokens > a.num_tokens
+    assert np.all(mb.subtree_end[:first] <= first)
+    assert set(mb.target_exec[mb.target_pos < first].tolist()) == {1}
+
+
+def test_training_batch_is_deterministic_and_round_trips() -> None:
+    trees = [build_tree("a", _fan_tree("a").records), build_tree("b", _long_log("b").records)]
+    inputs = [ExecutionInput("a", "q", trees[0], 1.0, sample_index=0),
+              ExecutionInput("b", "q", trees[1], 0.0, timed_out=True, sample_index=1)]
+    batch = build_training_batch(3, inputs, budget=24, cap_k=2)
+    again = build_training_batch(3, list(reversed(inputs)), budget=24, cap_k=2)
+    assert batch.digest() == again.digest()
+    decoded = TrainingBatch.decode(batch.encode())
+    assert decoded.digest() == batch.digest()
+    assert [e.execution_id for e in batch.executions] == ["a", "b"]
+    assert batch.executions[1].timed_out and batch.executions[1].advantage < 0
+    assert sum(mb.num_targets for mb in batch.micro_batches) == sum(e.num_targets for e in batch.executions)
+    assert batch.meta["dropped_targets"] == cap_tree(trees[0], 2).dropped_targets + cap_tree(trees[1], 2).dropped_targets
+
+
+def test_zero_variance_group_is_left_out_of_the_batch_when_dropping() -> None:
+    tree = build_tree("a", _fan_tree("a").records)
+    inputs = [ExecutionInput("a", "q", tree, 1.0), ExecutionInput("b", "q", tree, 1.0)]
+    batch = build_training_batch(0, inputs, budget=64, cap_k=4, drop_zero_variance=True)
+    assert batch.executions == [] and batch.micro_batches == []
+    assert batch.meta["zero_variance_groups"] == 1 and batch.meta["dropped_executions"] == 2
