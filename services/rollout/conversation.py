@@ -1,0 +1,97 @@
+"""The API-neutral conversation the gateway renders: messages, tool calls and tool specs as frozen models.
+
+Both the Anthropic and the OpenAI adapters normalise into these; token-in/token-out compares them by value.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+Role = Literal["system", "user", "assistant", "tool"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ToolCall(_Frozen):
+    """One function call made by the assistant; `arguments` is the decoded JSON object."""
+
+    name: str
+    arguments: dict[str, Any]
+
+
+class ChatMessage(_Frozen):
+    role: Role
+    content: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+
+    def template_dict(self) -> dict[str, Any]:
+        """The shape the chat template reads (OpenAI-style tool calls)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in self.tool_calls
+            ]
+        return out
+
+    def key(self) -> str:
+        """A canonical text for comparing an echoed message with the one we produced.
+
+        Surrounding whitespace of the text is ignored because harnesses commonly strip it when echoing.
+        """
+        body = {
+            "r": self.role,
+            "c": self.content.strip(),
+            "t": [[c.name, c.arguments] for c in self.tool_calls],
+        }
+        return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+class ToolSpec(_Frozen):
+    name: str
+    description: str = ""
+    parameters: dict[str, Any]
+
+    def template_dict(self) -> dict[str, Any]:
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
+
+
+class Conversation(_Frozen):
+    """What one request asks the model to continue: its messages (system first, if any) and its tools."""
+
+    messages: tuple[ChatMessage, ...]
+    tools: tuple[ToolSpec, ...] = ()
+
+    def tools_key(self) -> str:
+        body = [t.template_dict() for t in self.tools]
+        return _digest(json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False))
+
+    def chain_key(self) -> str:
+        """Identifies an agent chain: the same tools and the same leading system prompt.
+
+        A sub-agent (its own system prompt and tool set) gets a different key; a compaction of the same
+        agent keeps its key and becomes a fork within the chain.
+        """
+        system = self.messages[0].content if self.messages and self.messages[0].role == "system" else ""
+        return _digest(self.tools_key() + "\x00" + system)
+
+    def prefix_keys(self) -> list[str]:
+        """prefix_keys()[i] identifies (tools, messages[:i]); index 0 is the tools alone."""
+        keys = [self.tools_key()]
+        running = hashlib.sha256(keys[0].encode())
+        for message in self.messages:
+            running.update(b"\x1e" + message.key().encode())
+            keys.append(running.copy().hexdigest())
+        return keys
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()

@@ -1,0 +1,190 @@
+"""The generation engine port and its vLLM implementation (V1 AsyncLLM: continuous batching, prefix caching).
+
+The worker talks only to `Engine`; tests may use a fake, the worker shell uses `VllmEngine`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from services.rollout.protocol import SamplingSpec
+
+# Request-id prefixes the Gyre KV connector acts on (see kv_connector.py): only these save or load KV.
+KV_SAVE_PREFIX = "kvsave-"
+KV_LOAD_PREFIX = "kvload-"
+
+
+class EngineError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class EngineOutput:
+    token_ids: list[int]
+    logprobs: list[float]  # logprob of each generated token under the policy
+    finish_reason: Literal["stop", "length"]
+    stop_sequence: str | None  # the stop string that matched, if any
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix cache or loaded through the KV connector
+
+
+class Engine(Protocol):
+    max_model_len: int
+    block_size: int
+    kv_transfer: bool  # whether a KV connector is configured (migration by KV is possible)
+
+    async def generate(self, prompt: list[int], sampling: SamplingSpec, request_id: str) -> EngineOutput: ...
+
+    async def load_weights(self, state_dict: Mapping[str, Any]) -> None:
+        """Replace the weights in place and drop the prefix cache (it holds KV of the old policy)."""
+        ...
+
+    async def reset_prefix_cache(self) -> None: ...
+
+    def kv_bytes(self, prompt: list[int]) -> int:
+        """Bytes the connector stored for this prompt's saved KV (0 when nothing is stored)."""
+        ...
+
+    def drop_kv(self, prompt: list[int]) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class VllmConfig:
+    model: Path
+    max_model_len: int = 8192
+    dtype: str = "float32"  # fp32 on CPU keeps logprobs equal to transformers (~5e-7)
+    seed: int = 0
+    kv_storage: Path | None = None  # shared folder for KV migration between workers (None: recompute only)
+    gpu_memory_utilization: float = 0.5
+    max_num_seqs: int = 64
+
+
+def prepare_cpu_environment(work_dir: Path) -> None:
+    """vLLM on CPU must not write to ~/.cache or leave IPC sockets in /tmp (ENVIRONMENT.md)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    tmp = work_dir / "tmp"
+    cache = work_dir / "cache"
+    tmp.mkdir(parents=True, exist_ok=True)
+    cache.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TMPDIR", str(tmp))
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(cache))
+    # Weight reload sends a closure to the engine process; V1 needs pickle for that.
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+
+
+class VllmEngine:
+    """One vLLM AsyncLLM (its engine core runs in a child process)."""
+
+    def __init__(self, llm: Any, config: VllmConfig) -> None:
+        self._llm = llm
+        self.config = config
+        vcfg = llm.vllm_config
+        self.max_model_len: int = int(vcfg.model_config.max_model_len)
+        self.block_size: int = int(vcfg.cache_config.block_size)
+        self.kv_transfer = config.kv_storage is not None
+
+    @classmethod
+    def start(cls, config: VllmConfig) -> VllmEngine:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        kv_transfer: dict[str, Any] | None = None
+        if config.kv_storage is not None:
+            config.kv_storage.mkdir(parents=True, exist_ok=True)
+            kv_transfer = {
+                "kv_connector": "GyreKVConnector",
+                "kv_connector_module_path": "services.rollout.kv_connector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {"shared_storage_path": str(config.kv_storage)},
+            }
+        args = AsyncEngineArgs(
+            model=str(config.model),
+            dtype=config.dtype,
+            max_model_len=config.max_model_len,
+            enable_prefix_caching=True,
+            enforce_eager=True,
+            seed=config.seed,
+            disable_log_stats=True,
+            max_num_seqs=config.max_num_seqs,
+            kv_transfer_config=kv_transfer,
+        )
+        return cls(AsyncLLM.from_engine_args(args), config)
+
+    async def generate(self, prompt: list[int], sampling: SamplingSpec, request_id: str) -> EngineOutput:
+        from vllm import SamplingParams
+
+        params = SamplingParams(
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k > 0 else 0,
+            seed=sampling.seed,
+            stop=list(sampling.stop) or None,
+            logprobs=0,  # 0: only the sampled token's logprob
+        )
+        final = None
+        async for out in self._llm.generate({"prompt_token_ids": list(prompt)}, params, request_id=request_id):
+            final = out
+        if final is None or not final.outputs:
+            raise EngineError(f"engine returned no output for request {request_id}")
+        out = final.outputs[0]
+        token_ids = [int(t) for t in out.token_ids]
+        logprobs: list[float] = []
+        for tid, entry in zip(token_ids, out.logprobs or [], strict=False):
+            if tid not in entry:
+                raise EngineError(f"engine omitted the logprob of sampled token {tid} in request {request_id}")
+            logprobs.append(float(entry[tid].logprob))
+        if len(logprobs) != len(token_ids):
+            raise EngineError(f"engine returned {len(logprobs)} logprobs for {len(token_ids)} tokens")
+        stop_sequence = out.stop_reason if isinstance(out.stop_reason, str) else None
+        return EngineOutput(
+            token_ids=token_ids,
+            logprobs=logprobs,
+            finish_reason="length" if out.finish_reason == "length" else "stop",
+            stop_sequence=stop_sequence,
+            prompt_tokens=len(prompt),
+            cached_tokens=int(final.num_cached_tokens or 0),
+        )
+
+    async def load_weights(self, state_dict: Mapping[str, Any]) -> None:
+        items = list(state_dict.items())
+
+        def reload(worker: Any, items: list[tuple[str, Any]] = items) -> None:
+            worker.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)
+
+        await self._llm.collective_rpc(reload)
+        await self.reset_prefix_cache()
+
+    async def reset_prefix_cache(self) -> None:
+        await self._llm.reset_prefix_cache()
+
+    def _kv_folder(self, prompt: list[int]) -> Path | None:
+        if self.config.kv_storage is None:
+            return None
+        from services.rollout.kv_connector import kv_folder_name
+
+        return self.config.kv_storage / kv_folder_name(prompt, self.block_size)
+
+    def kv_bytes(self, prompt: list[int]) -> int:
+        folder = self._kv_folder(prompt)
+        if folder is None or not folder.is_dir():
+            return 0
+        return sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+
+    def drop_kv(self, prompt: list[int]) -> None:
+        folder = self._kv_folder(prompt)
+        if folder is None or not folder.is_dir():
+            return
+        for f in folder.iterdir():
+            f.unlink(missing_ok=True)
+        folder.rmdir()
+
+    async def close(self) -> None:
+        self._llm.shutdown()

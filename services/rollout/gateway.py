@@ -1,0 +1,288 @@
+"""The gateway: Anthropic Messages and OpenAI Chat Completions over HTTP (FastAPI) in front of the router.
+
+Per call: authenticate the execution, build the prompt by token-in/token-out, route it to the execution's
+worker, parse tool calls, record the call (blob + `call.completed`), and only then answer the harness.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from services.rollout import anthropic_api, openai_api
+from services.rollout.anthropic_api import Completion, ParsedRequest
+from services.rollout.codec import TokenizerCodec, reply_message
+from services.rollout.credentials import ExecutionRegistry
+from services.rollout.errors import ApiError, invalid
+from services.rollout.protocol import SamplingSpec
+from services.rollout.recording import Api, CallRecorder, CompletedCall, RecordingFailed
+from services.rollout.router import NoCapacity, Router, WorkerFailed
+from services.rollout.tito import TitoState
+from shared.logging import get_logger
+
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+@dataclass
+class ExecutionState:
+    tito: TitoState = field(default_factory=TitoState)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class GatewayCore:
+    """Token-in/token-out, routing and recording for every call; the HTTP layer only parses and shapes."""
+
+    def __init__(
+        self,
+        *,
+        codec: TokenizerCodec,
+        router: Router,
+        recorder: CallRecorder,
+        max_model_len: int,
+        model_name: str = "gyre",
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.codec = codec
+        self.router = router
+        self.recorder = recorder
+        self.max_model_len = max_model_len
+        self.model_name = model_name
+        self.clock = clock
+        self.executions: dict[str, ExecutionState] = {}
+        self.log = get_logger(component="gateway")
+
+    def _state(self, execution_id: str) -> ExecutionState:
+        return self.executions.setdefault(execution_id, ExecutionState())
+
+    def count_tokens(self, execution_id: str, parsed: ParsedRequest) -> int:
+        return len(self._state(execution_id).tito.plan(parsed.conversation, self.codec).prompt)
+
+    def end_execution(self, execution_id: str) -> None:
+        self.executions.pop(execution_id, None)
+        self.router.forget(execution_id)
+        forget = getattr(self.recorder, "forget", None)
+        if forget is not None:
+            forget(execution_id)
+
+    async def complete(self, execution_id: str, parsed: ParsedRequest, *, api: Api) -> Completion:
+        state = self._state(execution_id)
+        # One call at a time per execution keeps call order, anchors and worker histories consistent.
+        async with state.lock:
+            started = time.perf_counter()
+            plan = state.tito.plan(parsed.conversation, self.codec)
+            prompt_len = len(plan.prompt)
+            room = self.max_model_len - prompt_len
+            if room < 1:
+                raise invalid(f"prompt is too long: {prompt_len} tokens > {self.max_model_len - 1} maximum")
+            requested = parsed.sampling.max_tokens
+            # Harnesses (Claude Code asks for 32000) get what the context leaves rather than an error.
+            max_tokens = room if requested is None else min(requested, room)
+            sampling = SamplingSpec(
+                max_tokens=max_tokens,
+                temperature=parsed.sampling.temperature,
+                top_p=parsed.sampling.top_p,
+                top_k=parsed.sampling.top_k,
+                seed=parsed.sampling.seed,
+                stop=parsed.sampling.stop,
+            )
+            call_id = uuid.uuid4().hex
+            try:
+                reply = await self.router.generate(
+                    execution_id=execution_id,
+                    chain_id=plan.chain_id,
+                    prompt=plan.prompt,
+                    sampling=sampling,
+                    request_id=f"call-{call_id}",
+                )
+            except NoCapacity as exc:
+                raise ApiError("rate_limit_error", str(exc), retry_after_s=exc.retry_after_s) from exc
+            except WorkerFailed as exc:
+                raise ApiError("api_error", str(exc)) from exc
+            completion = np.asarray(reply.completion, dtype=np.int32)
+            text = self.codec.decode(reply.completion)
+            message = reply_message(text)
+            new_chain = plan.reused is None and bool(state.tito.chains) and plan.chain_key not in state.tito.chains
+            call = CompletedCall(
+                execution_id=execution_id,
+                call_id=call_id,
+                chain_id=plan.chain_id,
+                new_chain=new_chain,
+                prompt=plan.prompt,
+                completion=completion,
+                logprobs=np.asarray(reply.logprobs, dtype=np.float32),
+                policy_version=reply.policy_version,
+                cell_id=reply.cell_id,
+                finish_reason=reply.finish_reason or "stop",
+                api=api,
+                latency_s=time.perf_counter() - started,
+            )
+            try:
+                await self.recorder.record(call)
+            except RecordingFailed as exc:
+                self.log.error("recording_failed", execution_id=execution_id, error=str(exc))
+                raise ApiError("api_error", f"the call could not be recorded, so it is not returned: {exc}") from exc
+            state.tito.commit(plan, completion=completion, reply=message, codec=self.codec)
+        return Completion(
+            call_id=call_id,
+            model=parsed.model,
+            reply=message,
+            tool_ids=tuple(f"toolu_{call_id[:20]}{i:02d}" for i in range(len(message.tool_calls))),
+            finish_reason=reply.finish_reason or "stop",
+            stop_sequence=reply.stop_sequence,
+            prompt_tokens=prompt_len,
+            cached_tokens=min(reply.cached_tokens, prompt_len),
+            completion_tokens=len(completion),
+            policy_version=reply.policy_version,
+            logprobs=tuple(reply.logprobs),
+            token_texts=tuple(self.codec.token_texts(reply.completion)),
+        )
+
+
+# ---- HTTP ----------------------------------------------------------------------------------------
+
+
+def _token(request: Request) -> str | None:
+    key = request.headers.get("x-api-key")
+    if key:
+        return key.strip()
+    auth = request.headers.get("authorization", "")
+    if auth.lower().startswith("bearer "):
+        return auth[7:].strip()
+    return None
+
+
+async def _read_json(request: Request, max_body_bytes: int) -> Any:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+        raise ApiError("request_too_large", f"request body of {declared} bytes exceeds the {max_body_bytes}-byte limit")
+    body = bytearray()
+    async for chunk in request.stream():
+        body.extend(chunk)
+        if len(body) > max_body_bytes:
+            raise ApiError("request_too_large", f"request body exceeds the {max_body_bytes}-byte limit")
+    try:
+        return json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise invalid(f"request body is not valid JSON: {exc}") from exc
+
+
+def create_app(
+    core: GatewayCore,
+    registry: ExecutionRegistry,
+    *,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    admin_token: str | None = None,
+) -> FastAPI:
+    app = FastAPI(title="Gyre rollout gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    log = get_logger(component="gateway_http")
+
+    def anthropic_error(exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.anthropic_body(), status_code=exc.status, headers=exc.headers())
+
+    def openai_error(exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.openai_body(), status_code=exc.status, headers=exc.headers())
+
+    def execution_of(request: Request) -> str:
+        execution_id = registry.resolve(_token(request))
+        if execution_id is None:
+            raise ApiError("authentication_error", "invalid x-api-key or bearer token: it names no live execution")
+        return execution_id
+
+    def stream(events: Iterator[bytes]) -> StreamingResponse:
+        return StreamingResponse(
+            events, media_type="text/event-stream", headers={"cache-control": "no-cache"}
+        )
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        try:
+            body = await _read_json(request, max_body_bytes)
+            execution_id = execution_of(request)
+            parsed = anthropic_api.parse_request(body)
+            result = await core.complete(execution_id, parsed, api="anthropic")
+        except ApiError as exc:
+            return anthropic_error(exc)
+        except Exception as exc:  # an answer in the API's shape, never a bare 500 page
+            log.exception("messages_failed")
+            return anthropic_error(ApiError("api_error", f"{type(exc).__name__}: {exc}"))
+        if parsed.stream:
+            return stream(anthropic_api.sse_events(result))
+        return JSONResponse(anthropic_api.message(result), headers={"request-id": f"req_{result.call_id}"})
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        try:
+            body = await _read_json(request, max_body_bytes)
+            execution_id = execution_of(request)
+            parsed = anthropic_api.parse_request(body, count_only=True)
+            return JSONResponse({"input_tokens": core.count_tokens(execution_id, parsed)})
+        except ApiError as exc:
+            return anthropic_error(exc)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        try:
+            body = await _read_json(request, max_body_bytes)
+            execution_id = execution_of(request)
+            parsed = openai_api.parse_request(body)
+            result = await core.complete(execution_id, parsed, api="openai")
+        except ApiError as exc:
+            return openai_error(exc)
+        except Exception as exc:
+            log.exception("chat_completions_failed")
+            return openai_error(ApiError("api_error", f"{type(exc).__name__}: {exc}"))
+        created = int(core.clock())
+        if parsed.stream:
+            return stream(openai_api.sse_chunks(result, created=created,
+                                                include_usage=openai_api.wants_usage_chunk(body)))
+        return JSONResponse(openai_api.completion(result, created=created, logprobs=openai_api.wants_logprobs(body)))
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": core.model_name, "object": "model", "type": "model",
+                                            "display_name": core.model_name, "owned_by": "gyre"}]}
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        return {"ok": True, "workers": [s.model_dump() for s in core.router.directory.live()]}
+
+    def check_admin(request: Request) -> None:
+        if admin_token is not None and _token(request) != admin_token:
+            raise ApiError("authentication_error", "internal API needs the gateway's admin token")
+
+    @app.post("/internal/executions")
+    async def register_execution(request: Request) -> Response:
+        """The harness mints an execution's token here when the execution starts."""
+        try:
+            check_admin(request)
+            body = await _read_json(request, 64 * 1024)
+            if not isinstance(body, dict) or not isinstance(body.get("execution_id"), str):
+                raise invalid("execution_id: Field required")
+            token = body.get("token")
+            if token is not None and (not isinstance(token, str) or len(token) < 16):
+                raise invalid("token: expected a string of at least 16 characters")
+            return JSONResponse({"execution_id": body["execution_id"],
+                                 "token": registry.register(body["execution_id"], token)})
+        except ApiError as exc:
+            return anthropic_error(exc)
+
+    @app.delete("/internal/executions/{execution_id}")
+    async def end_execution(execution_id: str, request: Request) -> Response:
+        try:
+            check_admin(request)
+        except ApiError as exc:
+            return anthropic_error(exc)
+        registry.revoke(execution_id)
+        core.end_execution(execution_id)
+        return JSONResponse({"execution_id": execution_id, "ended": True})
+
+    return app

@@ -1,0 +1,157 @@
+"""Wire models between the gateway/router and the rollout workers (NATS request/reply, JSON bodies).
+
+Token arrays travel as zstd-packed int32 (shared.tokens) in base64, or by object-store name when large.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from shared.tokens import decode_arrays, digest_of, encode_arrays
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ProtocolError(Exception):
+    pass
+
+
+class TokenPayload(_Frozen):
+    """Token ids inline (base64 of the packed array) or as the name of an object in the bus's object store."""
+
+    count: int = Field(ge=0)
+    inline: str | None = None
+    object_name: str | None = None
+
+    @classmethod
+    def pack(cls, ids: np.ndarray) -> tuple[TokenPayload, bytes]:
+        """Returns the inline payload and the packed bytes (the caller moves big ones to the object store)."""
+        packed = encode_arrays([np.asarray(ids, dtype=np.int32)])
+        return cls(count=len(ids), inline=base64.b64encode(packed).decode()), packed
+
+    @classmethod
+    def from_packed(cls, count: int, packed: bytes) -> TokenPayload:
+        return cls(count=count, inline=base64.b64encode(packed).decode())
+
+    def unpack_inline(self) -> np.ndarray:
+        if self.inline is None:
+            raise ProtocolError("token payload is not inline")
+        return unpack(base64.b64decode(self.inline), self.count)
+
+
+def unpack(packed: bytes, count: int) -> np.ndarray:
+    arrays = decode_arrays(packed)
+    if len(arrays) != 1 or len(arrays[0]) != count:
+        raise ProtocolError(f"expected one array of {count} tokens, got {[len(a) for a in arrays]}")
+    return arrays[0].astype(np.int32)
+
+
+def tokens_digest(ids: np.ndarray) -> str:
+    return digest_of(np.ascontiguousarray(ids, dtype="<i4").tobytes())
+
+
+class SamplingSpec(_Frozen):
+    max_tokens: int = Field(ge=1)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = 0  # 0: off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+class GenerateRequest(_Frozen):
+    """Continue session (execution_id, chain_id): its history[:base_len] ⊕ delta is the prompt."""
+
+    request_id: str
+    execution_id: str
+    chain_id: str = "main"
+    base_len: int = Field(ge=0)
+    base_digest: str = ""  # digest of history[:base_len]; "" when base_len == 0
+    delta: TokenPayload
+    sampling: SamplingSpec
+
+
+ReplyStatus = Literal["ok", "resync", "moved", "draining", "error"]
+
+
+class GenerateReply(_Frozen):
+    status: ReplyStatus
+    detail: str = ""
+    moved_to: str | None = None
+    worker_id: str = ""
+    cell_id: str = ""
+    completion: list[int] = Field(default_factory=list)
+    logprobs: list[float] = Field(default_factory=list)
+    finish_reason: Literal["stop", "length", ""] = ""
+    stop_sequence: str | None = None  # the caller's stop string that ended generation, if one did
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    policy_version: int = 0
+
+
+WorkerState = Literal["active", "draining", "drained"]
+
+
+class WorkerStatus(_Frozen):
+    """Broadcast by each worker (heartbeat and on change) so routers know capacity and drains."""
+
+    worker_id: str
+    cell_id: str
+    state: WorkerState
+    live_sessions: int = Field(ge=0)
+    capacity: int = Field(ge=1)
+    in_flight: int = Field(ge=0)
+    policy_version: int = Field(ge=0)
+    max_model_len: int = Field(ge=1)
+    moved: dict[str, str] = Field(default_factory=dict)  # execution_id -> worker it migrated to
+
+
+class AdoptRequest(_Frozen):
+    """Sent by a draining worker to its target: take over a session, loading its KV when `method` is kv."""
+
+    execution_id: str
+    chain_id: str
+    history: TokenPayload
+    method: Literal["kv", "recompute"]
+    kv_prompt_len: int = Field(default=0, ge=0)  # the saved prefix's prompt length (see worker.kv_prompt)
+    from_worker: str
+
+
+class AdoptReply(_Frozen):
+    ok: bool
+    detail: str = ""
+    cached_tokens: int = 0
+    seconds: float = 0.0
+
+
+class DrainRequest(_Frozen):
+    targets: tuple[str, ...] = ()  # preferred target workers; empty: the least loaded active ones
+    force_method: Literal["kv", "recompute"] | None = None
+
+
+class MigrationResult(_Frozen):
+    execution_id: str
+    chain_id: str
+    to_worker: str
+    method: Literal["kv", "recompute"]
+    tokens: int
+    bytes: int
+    seconds: float
+    cached_tokens: int
+
+
+class DrainReply(_Frozen):
+    ok: bool
+    detail: str = ""
+    migrated: list[MigrationResult] = Field(default_factory=list)
+    seconds: float = 0.0
+
+
+class EndSessions(_Frozen):
+    execution_id: str

@@ -1,0 +1,295 @@
+"""Call recording: each model call becomes a delta blob plus a `call.completed` event, stored before the reply.
+
+`ExecutionLog` is the pure part (which earlier call to extend, how many tokens are new, what branch it is);
+`CallRecorder` is the port, with an in-memory backend for unit tests and the Postgres event store for real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Literal, Protocol
+
+import numpy as np
+
+from shared.calls import CALL_RECORD_MEDIA_TYPE, CallRecord, CallTokens, ExecutionSequences, longest_prefix_parent
+from shared.events import (
+    BlobRef,
+    BranchKind,
+    CallCompleted,
+    Event,
+    EventData,
+    ExecutionBranched,
+    new_event,
+    stream_id_for,
+)
+from shared.tokens import digest_of
+
+Api = Literal["anthropic", "openai", "internal"]
+
+
+class RecordingFailed(Exception):
+    """The call could not be stored; the reply must not reach the harness."""
+
+    def __init__(self, execution_id: str, cause: BaseException) -> None:
+        super().__init__(f"recording call of execution {execution_id} failed: {type(cause).__name__}: {cause}")
+        self.execution_id = execution_id
+
+
+@dataclass(frozen=True)
+class CompletedCall:
+    """Everything the gateway knows about one finished generation, before it is recorded."""
+
+    execution_id: str
+    call_id: str
+    chain_id: str
+    new_chain: bool  # the first call of a chain other than the execution's first
+    prompt: np.ndarray
+    completion: np.ndarray
+    logprobs: np.ndarray
+    policy_version: int
+    cell_id: str
+    finish_reason: str
+    api: Api
+    latency_s: float
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a call goes in its execution's log (the delta against the best earlier call)."""
+
+    call_index: int
+    parent_call_index: int | None
+    parent_prefix_len: int
+    new_prompt: np.ndarray
+    branch_hint: BranchKind | None
+
+
+@dataclass
+class ExecutionLog:
+    """The full sequences of an execution's recorded calls, for choosing each new call's parent (pure)."""
+
+    sequences: list[np.ndarray] = field(default_factory=list)
+    prompt_lens: list[int] = field(default_factory=list)
+
+    def place(self, prompt: np.ndarray, *, new_chain: bool = False) -> Placement:
+        prompt = np.asarray(prompt, dtype=np.int32)
+        parent, shared = longest_prefix_parent(self.sequences, prompt)
+        hint: BranchKind | None
+        if not self.sequences:
+            hint = None
+        elif new_chain:
+            hint = "delegation"
+        elif parent is None:
+            hint = "fork"
+        elif shared == len(self.sequences[parent]):
+            hint = "continuation"
+        elif shared == len(prompt) == self.prompt_lens[parent]:
+            hint = "retry"
+        else:
+            hint = "fork"
+        return Placement(
+            call_index=len(self.sequences),
+            parent_call_index=parent,
+            parent_prefix_len=shared if parent is not None else 0,
+            new_prompt=prompt[shared:] if parent is not None else prompt,
+            branch_hint=hint,
+        )
+
+    def add(self, placement: Placement, prompt: np.ndarray, completion: np.ndarray) -> None:
+        if placement.call_index != len(self.sequences):
+            raise ValueError(f"expected call_index {len(self.sequences)}, got {placement.call_index}")
+        self.sequences.append(np.concatenate([prompt, completion]).astype(np.int32))
+        self.prompt_lens.append(len(prompt))
+
+    @classmethod
+    def from_records(cls, records: list[CallRecord]) -> ExecutionLog:
+        """Rebuild from stored records (a restarted gateway continues an execution's indices and parents)."""
+        log = cls()
+        seqs = ExecutionSequences()
+        for record in sorted(records, key=lambda r: r.call_index):
+            seq = seqs.add(record)
+            log.sequences.append(seq)
+            log.prompt_lens.append(record.prompt_len)
+        return log
+
+
+@dataclass(frozen=True)
+class RecordedCall:
+    placement: Placement
+    event: Event
+    blob: BlobRef
+
+
+def build_events(
+    call: CompletedCall,
+    placement: Placement,
+    blob: BlobRef,
+    *,
+    run_id: str,
+    occurred_at: datetime,
+) -> list[Event]:
+    """The `call.completed` event, preceded by `execution.branched` (kind fork) for an unannounced divergence."""
+    stream = stream_id_for("execution", call.execution_id)
+    data: list[EventData] = []
+    if placement.branch_hint == "fork":
+        data.append(
+            ExecutionBranched(
+                execution_id=call.execution_id,
+                kind="fork",
+                at_call_index=placement.call_index,
+                from_call_index=placement.parent_call_index,
+                chain_id=call.chain_id,
+                reason=f"prompt diverges from call {placement.parent_call_index} "
+                f"after {placement.parent_prefix_len} tokens",
+            )
+        )
+    data.append(
+        CallCompleted(
+            execution_id=call.execution_id,
+            call_id=call.call_id,
+            call_index=placement.call_index,
+            record=blob,
+            parent_call_index=placement.parent_call_index,
+            parent_prefix_len=placement.parent_prefix_len,
+            prompt_tokens=len(call.prompt),
+            new_prompt_tokens=len(placement.new_prompt),
+            completion_tokens=len(call.completion),
+            policy_version=call.policy_version,
+            cell_id=call.cell_id,
+            chain_id=call.chain_id,
+            branch_hint=placement.branch_hint,
+            finish_reason=call.finish_reason,
+            api=call.api,
+            latency_s=max(0.0, call.latency_s),
+        )
+    )
+    # Versions are placeholders: the store assigns the stream's next versions (expected_version="any").
+    return [
+        new_event(d, run_id=run_id, stream_id=stream, version=1, occurred_at=occurred_at) for d in data
+    ]
+
+
+def call_tokens(call: CompletedCall, placement: Placement) -> CallTokens:
+    return CallTokens(
+        new_prompt=np.asarray(placement.new_prompt, dtype=np.int32),
+        completion=np.asarray(call.completion, dtype=np.int32),
+        logprobs=np.asarray(call.logprobs, dtype=np.float32),
+    )
+
+
+class CallRecorder(Protocol):
+    async def record(self, call: CompletedCall) -> RecordedCall:
+        """Store the call durably (blob, then events) or raise RecordingFailed; nothing is kept on failure."""
+        ...
+
+
+class _LoggedRecorder:
+    """Shared logic: one lock and one ExecutionLog per execution; subclasses persist."""
+
+    def __init__(self, *, run_id: str, clock: Callable[[], datetime] | None = None) -> None:
+        self.run_id = run_id
+        self._clock = clock or (lambda: datetime.now(UTC))
+        self._logs: dict[str, ExecutionLog] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def record(self, call: CompletedCall) -> RecordedCall:
+        lock = self._locks.setdefault(call.execution_id, asyncio.Lock())
+        async with lock:
+            try:
+                log = self._logs.get(call.execution_id)
+                if log is None:
+                    log = await self._load(call.execution_id)
+                    self._logs[call.execution_id] = log
+                placement = log.place(call.prompt, new_chain=call.new_chain)
+                blob_bytes = call_tokens(call, placement).encode()
+                recorded = await self._persist(call, placement, blob_bytes)
+            except RecordingFailed:
+                raise
+            except Exception as exc:
+                raise RecordingFailed(call.execution_id, exc) from exc
+            log.add(placement, call.prompt, call.completion)
+            return recorded
+
+    def forget(self, execution_id: str) -> None:
+        self._logs.pop(execution_id, None)
+        self._locks.pop(execution_id, None)
+
+    async def _load(self, execution_id: str) -> ExecutionLog:
+        return ExecutionLog()
+
+    async def _persist(self, call: CompletedCall, placement: Placement, blob: bytes) -> RecordedCall:
+        raise NotImplementedError
+
+
+class InMemoryCallRecorder(_LoggedRecorder):
+    """For unit tests: keeps events and blobs in lists; `fail_next` simulates a store outage."""
+
+    def __init__(self, *, run_id: str = "test", clock: Callable[[], datetime] | None = None) -> None:
+        super().__init__(run_id=run_id, clock=clock)
+        self.events: list[Event] = []
+        self.blobs: dict[str, bytes] = {}
+        self.fail_next: BaseException | None = None
+
+    async def _persist(self, call: CompletedCall, placement: Placement, blob: bytes) -> RecordedCall:
+        if self.fail_next is not None:
+            exc, self.fail_next = self.fail_next, None
+            raise exc
+        ref = BlobRef(digest=digest_of(blob), size=len(blob), media_type=CALL_RECORD_MEDIA_TYPE)
+        events = build_events(call, placement, ref, run_id=self.run_id, occurred_at=self._clock())
+        stream_len = sum(1 for e in self.events if e.stream_id == events[0].stream_id)
+        events = [e.model_copy(update={"version": stream_len + i + 1}) for i, e in enumerate(events)]
+        self.blobs[ref.digest] = blob
+        self.events.extend(events)
+        return RecordedCall(placement=placement, event=events[-1], blob=ref)
+
+    def calls(self, execution_id: str | None = None) -> list[CallCompleted]:
+        out = [e.data for e in self.events if isinstance(e.data, CallCompleted)]
+        return [c for c in out if execution_id is None or c.execution_id == execution_id]
+
+
+class StoreCallRecorder(_LoggedRecorder):
+    """Records into shared.store.EventStore: blob and events in one transaction, before the reply."""
+
+    def __init__(self, store: object, *, run_id: str, clock: Callable[[], datetime] | None = None) -> None:
+        super().__init__(run_id=run_id, clock=clock)
+        self.store = store
+
+    async def _load(self, execution_id: str) -> ExecutionLog:
+        stored = await self.store.read_stream(stream_id_for("execution", execution_id))  # type: ignore[attr-defined]
+        records = []
+        for item in stored:
+            data = item.event.data
+            if not isinstance(data, CallCompleted):
+                continue
+            tokens = CallTokens.decode(await self.store.get_blob(data.record))  # type: ignore[attr-defined]
+            records.append(
+                CallRecord(
+                    execution_id=data.execution_id,
+                    call_id=data.call_id,
+                    call_index=data.call_index,
+                    parent_call_index=data.parent_call_index,
+                    parent_prefix_len=data.parent_prefix_len,
+                    tokens=tokens,
+                    policy_version=data.policy_version,
+                    cell_id=data.cell_id,
+                    chain_id=data.chain_id,
+                    branch_hint=data.branch_hint,
+                    finish_reason=data.finish_reason,
+                )
+            )
+        return ExecutionLog.from_records(records)
+
+    async def _persist(self, call: CompletedCall, placement: Placement, blob: bytes) -> RecordedCall:
+        async with self.store.transaction() as tx:  # type: ignore[attr-defined]
+            ref = await tx.put_blob(blob, CALL_RECORD_MEDIA_TYPE)
+            events = build_events(call, placement, ref, run_id=self.run_id, occurred_at=self._clock())
+            tx.append(events, expected_version="any")
+        return RecordedCall(placement=placement, event=events[-1], blob=ref)
+
+
+def new_call_id() -> str:
+    return uuid.uuid4().hex

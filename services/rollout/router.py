@@ -1,0 +1,200 @@
+"""The router: sticky routing of executions to workers, least-loaded placement, rerouting on drain, and the
+token deltas sent to each worker (it mirrors the history each worker holds for each session).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from services.rollout.protocol import (
+    GenerateReply,
+    GenerateRequest,
+    SamplingSpec,
+    TokenPayload,
+    WorkerStatus,
+    tokens_digest,
+)
+from shared.logging import get_logger
+
+
+class NoCapacity(Exception):
+    def __init__(self, retry_after_s: float, detail: str) -> None:
+        super().__init__(f"no rollout capacity: {detail}")
+        self.retry_after_s = retry_after_s
+
+
+class WorkerFailed(Exception):
+    """A worker answered with an error (not a reroute); the call fails."""
+
+
+class WorkerUnreachable(Exception):
+    """The transport could not reach the worker (no responders, timeout)."""
+
+
+class WorkerClient(Protocol):
+    async def generate(self, worker_id: str, request: GenerateRequest, delta: np.ndarray) -> GenerateReply: ...
+
+
+@dataclass
+class WorkerDirectory:
+    """Latest status of each worker, fed by their heartbeats; stale workers stop receiving new sessions."""
+
+    stale_after_s: float = 10.0
+    clock: Callable[[], float] = time.monotonic
+    statuses: dict[str, WorkerStatus] = field(default_factory=dict)
+    seen_at: dict[str, float] = field(default_factory=dict)
+    unreachable: set[str] = field(default_factory=set)
+
+    def update(self, status: WorkerStatus) -> None:
+        self.statuses[status.worker_id] = status
+        self.seen_at[status.worker_id] = self.clock()
+        self.unreachable.discard(status.worker_id)
+
+    def get(self, worker_id: str) -> WorkerStatus | None:
+        return self.statuses.get(worker_id)
+
+    def live(self) -> list[WorkerStatus]:
+        now = self.clock()
+        return [
+            s
+            for wid, s in sorted(self.statuses.items())
+            if now - self.seen_at[wid] <= self.stale_after_s and wid not in self.unreachable
+        ]
+
+    def candidates(self, exclude: str = "") -> list[WorkerStatus]:
+        return [s for s in self.live() if s.worker_id != exclude]
+
+
+def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+@dataclass
+class _Mirror:
+    worker_id: str
+    history: np.ndarray
+
+
+class Router:
+    def __init__(
+        self,
+        directory: WorkerDirectory,
+        client: WorkerClient,
+        *,
+        max_attempts: int = 6,
+        retry_after_s: float = 2.0,
+    ) -> None:
+        self.directory = directory
+        self.client = client
+        self.max_attempts = max_attempts
+        self.retry_after_s = retry_after_s
+        self.placement: dict[str, str] = {}  # execution_id -> worker_id (sticky)
+        self._mirrors: dict[tuple[str, str], _Mirror] = {}
+        self.log = get_logger(component="router")
+
+    def _load(self, status: WorkerStatus) -> tuple[float, int, str]:
+        placed = sum(1 for w in self.placement.values() if w == status.worker_id)
+        # Heartbeats lag; count the sessions this router placed since, too.
+        sessions = max(status.live_sessions, placed)
+        return (sessions / status.capacity, status.in_flight, status.worker_id)
+
+    def place(self, execution_id: str, *, exclude: set[str] | None = None) -> str:
+        """Least-loaded active worker with room for one more session; NoCapacity when there is none."""
+        exclude = exclude or set()
+        options = [
+            s
+            for s in self.directory.live()
+            if s.state == "active" and s.worker_id not in exclude and self._load(s)[0] * s.capacity < s.capacity
+        ]
+        if not options:
+            raise NoCapacity(self.retry_after_s, f"{len(self.directory.live())} live workers, none with room")
+        chosen = min(options, key=self._load).worker_id
+        self.placement[execution_id] = chosen
+        return chosen
+
+    def worker_of(self, execution_id: str) -> str | None:
+        return self.placement.get(execution_id)
+
+    def forget(self, execution_id: str) -> None:
+        self.placement.pop(execution_id, None)
+        for key in [k for k in self._mirrors if k[0] == execution_id]:
+            del self._mirrors[key]
+
+    async def generate(
+        self,
+        *,
+        execution_id: str,
+        chain_id: str,
+        prompt: np.ndarray,
+        sampling: SamplingSpec,
+        request_id: str,
+    ) -> GenerateReply:
+        """Send the prompt as a delta against what the execution's worker holds; follow moves and drains."""
+        key = (execution_id, chain_id)
+        excluded: set[str] = set()
+        last = ""
+        for _ in range(self.max_attempts):
+            worker_id = self.placement.get(execution_id)
+            if worker_id is None or worker_id in excluded:
+                worker_id = self.place(execution_id, exclude=excluded)
+            mirror = self._mirrors.get(key)
+            base = 0
+            if mirror is not None and mirror.worker_id == worker_id:
+                base = common_prefix_len(mirror.history, prompt)
+                if base == len(prompt):
+                    base -= 1  # the engine needs at least one new token to compute
+            request = GenerateRequest(
+                request_id=request_id,
+                execution_id=execution_id,
+                chain_id=chain_id,
+                base_len=base,
+                base_digest=tokens_digest(prompt[:base]) if base else "",
+                delta=TokenPayload(count=len(prompt) - base),
+                sampling=sampling,
+            )
+            try:
+                reply = await self.client.generate(worker_id, request, prompt[base:])
+            except WorkerUnreachable as exc:
+                last = f"worker {worker_id} unreachable: {exc}"
+                self.log.warning("worker_unreachable", worker_id=worker_id, execution_id=execution_id)
+                self.directory.unreachable.add(worker_id)
+                excluded.add(worker_id)
+                self._drop_mirrors(execution_id)
+                continue
+            match reply.status:
+                case "ok":
+                    history = np.concatenate([prompt, np.asarray(reply.completion, dtype=np.int32)])
+                    self._mirrors[key] = _Mirror(worker_id, history.astype(np.int32))
+                    return reply
+                case "moved":
+                    assert reply.moved_to is not None
+                    self.placement[execution_id] = reply.moved_to
+                    # The session's history moved with it, so the mirror stays valid on the new worker.
+                    for k, m in self._mirrors.items():
+                        if k[0] == execution_id and m.worker_id == worker_id:
+                            m.worker_id = reply.moved_to
+                    last = f"moved from {worker_id} to {reply.moved_to}"
+                case "resync":
+                    self._mirrors.pop(key, None)
+                    last = f"resync on {worker_id}: {reply.detail}"
+                case "draining":
+                    excluded.add(worker_id)
+                    self.placement.pop(execution_id, None)
+                    self._drop_mirrors(execution_id)
+                    last = f"worker {worker_id} draining"
+                case _:
+                    raise WorkerFailed(f"worker {worker_id}: {reply.detail}")
+        raise NoCapacity(self.retry_after_s, f"gave up after {self.max_attempts} attempts; last: {last}")
+
+    def _drop_mirrors(self, execution_id: str) -> None:
+        for key in [k for k in self._mirrors if k[0] == execution_id]:
+            del self._mirrors[key]

@@ -1,0 +1,190 @@
+"""Token-in/token-out: builds each prompt from the exact token ids an execution already produced (pure core).
+
+When a request's messages extend an earlier request's messages (plus the reply we generated), the prompt
+reuses those ids, including the model's own generated ids, and only the new messages are rendered and
+tokenized. Anything else is rendered afresh, so a divergence shows up as a fork in the record, never as a
+silently misaligned prefix.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import numpy as np
+
+from services.rollout.conversation import ChatMessage, Conversation
+
+AnchorKind = Literal["request", "response"]
+
+
+class ChatCodec(Protocol):
+    """Renders conversations with the model's chat template and tokenizes text (both deterministic)."""
+
+    end_of_turn: str  # the text that closes a turn, e.g. "<|im_end|>"
+    end_of_turn_id: int  # its token id (the EOS the model generates)
+
+    def render(self, conversation: Conversation, *, add_generation_prompt: bool) -> str: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+class TemplateNotIncremental(Exception):
+    """The chat template rendered a longer conversation that does not start with the shorter one's text."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"chat template is not incremental: {what}")
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """A conversation state whose exact token ids are known: `tokens` stands for the rendered `text`."""
+
+    key: str  # Conversation.prefix_keys()[n_messages]
+    n_messages: int
+    text: str
+    tokens: np.ndarray
+    chain_id: str
+    kind: AnchorKind
+
+
+@dataclass(frozen=True)
+class PromptPlan:
+    """The prompt for one request and what it reused; `commit` turns it into anchors after generation."""
+
+    conversation: Conversation
+    prompt: np.ndarray  # int32 ids: anchor tokens ⊕ rendered new messages ⊕ generation prompt
+    prompt_text: str  # render(conversation, add_generation_prompt=True)
+    conversation_text: str  # render(conversation, add_generation_prompt=False)
+    conversation_len: int  # ids standing for conversation_text (prompt minus the generation prompt)
+    reused: Anchor | None
+    chain_id: str
+    chain_key: str
+
+    @property
+    def reused_tokens(self) -> int:
+        return 0 if self.reused is None else len(self.reused.tokens)
+
+
+@dataclass
+class TitoState:
+    """Per-execution token-in/token-out memory: recent anchors and the execution's chains.
+
+    Deterministic: the same sequence of plans and commits gives the same anchors and chain ids.
+    """
+
+    max_anchors: int = 32
+    anchors: OrderedDict[str, Anchor] = field(default_factory=OrderedDict)
+    chains: dict[str, str] = field(default_factory=dict)  # chain_key -> chain_id
+
+    def plan(self, conversation: Conversation, codec: ChatCodec) -> PromptPlan:
+        """Build the prompt ids for `conversation`; pure with respect to this state (nothing is stored)."""
+        if not conversation.messages:
+            raise ValueError("a conversation needs at least one message")
+        prompt_text = codec.render(conversation, add_generation_prompt=True)
+        conversation_text = codec.render(conversation, add_generation_prompt=False)
+        if not prompt_text.startswith(conversation_text):
+            raise TemplateNotIncremental("the generation prompt does not extend the rendered conversation")
+        anchor = self._longest_anchor(conversation)
+        prefix_text = ""
+        if anchor is not None:
+            # Messages match the anchor's by value (an echo may differ in surrounding whitespace), so the new
+            # text is what this conversation renders after its own first n messages.
+            head = Conversation(messages=conversation.messages[: anchor.n_messages], tools=conversation.tools)
+            prefix_text = codec.render(head, add_generation_prompt=False)
+            if not conversation_text.startswith(prefix_text):
+                # The template renders those messages differently in this context; reuse nothing rather
+                # than splice mismatched text.
+                anchor, prefix_text = None, ""
+        base = anchor.tokens if anchor is not None else np.zeros(0, dtype=np.int32)
+        middle = _ids(codec.encode(conversation_text[len(prefix_text) :]))
+        generation_prompt = _ids(codec.encode(prompt_text[len(conversation_text) :]))
+        chain_key = conversation.chain_key()
+        if anchor is not None:
+            chain_id = anchor.chain_id
+        else:
+            chain_id = self.chains.get(chain_key) or ("main" if not self.chains else f"chain-{len(self.chains)}")
+        return PromptPlan(
+            conversation=conversation,
+            prompt=np.concatenate([base, middle, generation_prompt]).astype(np.int32),
+            prompt_text=prompt_text,
+            conversation_text=conversation_text,
+            conversation_len=len(base) + len(middle),
+            reused=anchor,
+            chain_id=chain_id,
+            chain_key=chain_key,
+        )
+
+    def commit(
+        self,
+        plan: PromptPlan,
+        *,
+        completion: np.ndarray,
+        reply: ChatMessage,
+        codec: ChatCodec,
+    ) -> None:
+        """Remember the request and, when the template allows it, the reply as anchors for later calls."""
+        self.chains.setdefault(plan.chain_key, plan.chain_id)
+        keys = plan.conversation.prefix_keys()
+        n = len(plan.conversation.messages)
+        self._put(
+            Anchor(
+                key=keys[n],
+                n_messages=n,
+                text=plan.conversation_text,
+                tokens=plan.prompt[: plan.conversation_len],
+                chain_id=plan.chain_id,
+                kind="request",
+            )
+        )
+        extended = Conversation(messages=plan.conversation.messages + (reply,), tools=plan.conversation.tools)
+        text = codec.render(extended, add_generation_prompt=False)
+        if not text.startswith(plan.prompt_text):
+            return
+        rendered_reply = text[len(plan.prompt_text) :]
+        close_at = rendered_reply.rfind(codec.end_of_turn)
+        if close_at < 0:
+            return
+        # What the template puts after the turn's end marker (ChatML: "\n") is context, not generated.
+        glue = rendered_reply[close_at + len(codec.end_of_turn) :]
+        completion = np.asarray(completion, dtype=np.int32)
+        closing = (
+            np.zeros(0, dtype=np.int32)
+            if len(completion) and int(completion[-1]) == codec.end_of_turn_id
+            else np.array([codec.end_of_turn_id], dtype=np.int32)
+        )
+        tokens = np.concatenate([plan.prompt, completion, closing, _ids(codec.encode(glue))]).astype(np.int32)
+        self._put(
+            Anchor(
+                key=extended.prefix_keys()[n + 1],
+                n_messages=n + 1,
+                text=text,
+                tokens=tokens,
+                chain_id=plan.chain_id,
+                kind="response",
+            )
+        )
+
+    def _longest_anchor(self, conversation: Conversation) -> Anchor | None:
+        keys = conversation.prefix_keys()
+        for n in range(len(conversation.messages), 0, -1):
+            anchor = self.anchors.get(keys[n])
+            if anchor is not None:
+                return anchor
+        return None
+
+    def _put(self, anchor: Anchor) -> None:
+        existing = self.anchors.get(anchor.key)
+        # A reply anchor holds generated ids; a later identical request must not replace it with re-rendered ids.
+        if existing is not None and existing.kind == "response" and anchor.kind == "request":
+            self.anchors.move_to_end(anchor.key)
+            return
+        self.anchors[anchor.key] = anchor
+        self.anchors.move_to_end(anchor.key)
+        while len(self.anchors) > self.max_anchors:
+            self.anchors.popitem(last=False)
+
+
+def _ids(ids: list[int]) -> np.ndarray:
+    return np.asarray(ids, dtype=np.int32)

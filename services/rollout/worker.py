@@ -1,0 +1,343 @@
+"""The rollout worker: one per rollout cell, wrapping an engine; keeps each live session's token history,
+serves token-delta generation, reloads weights in place, and drains by migrating sessions to other workers.
+
+`RolloutWorker` holds the logic over the `Engine` and `WorkerPeers` ports; `serve_worker` is the NATS shell.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from services.rollout.engine import KV_LOAD_PREFIX, KV_SAVE_PREFIX, Engine
+from services.rollout.protocol import (
+    AdoptReply,
+    AdoptRequest,
+    DrainReply,
+    DrainRequest,
+    GenerateReply,
+    GenerateRequest,
+    MigrationResult,
+    SamplingSpec,
+    TokenPayload,
+    WorkerState,
+    WorkerStatus,
+    tokens_digest,
+)
+from shared.events import EventData, KvMigrated
+from shared.logging import get_logger
+
+Emit = Callable[[Sequence[EventData]], Awaitable[None]]
+
+
+class WorkerPeers(Protocol):
+    """How a draining worker finds targets and hands sessions over (NATS in the shell, direct in tests)."""
+
+    def candidates(self, exclude: str) -> list[WorkerStatus]: ...
+
+    async def adopt(self, target: str, request: AdoptRequest, history: np.ndarray) -> AdoptReply: ...
+
+
+def kv_prompt(history: np.ndarray, block_size: int) -> np.ndarray | None:
+    """The prompt whose KV is saved and loaded for a migration, or None when no whole block would move.
+
+    vLLM's shared-storage connector keys saved KV by the prompt's first ⌊(n−1)/B⌋·B tokens when saving but
+    ⌊(n−2)/B⌋·B when looking up, so save and load use the same prompt, of a length n with (n−1) mod B ≠ 0.
+    """
+    n = len(history)
+    if (n - 1) % block_size == 0:
+        n -= 1
+    if (n - 1) // block_size < 1:
+        return None
+    return history[:n]
+
+
+@dataclass
+class Session:
+    execution_id: str
+    chain_id: str
+    history: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class RolloutWorker:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        worker_id: str,
+        cell_id: str,
+        capacity: int = 64,
+        policy_version: int = 0,
+        emit: Emit | None = None,
+        peers: WorkerPeers | None = None,
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.worker_id = worker_id
+        self.cell_id = cell_id
+        self.capacity = capacity
+        self.policy_version = policy_version
+        self.state: WorkerState = "active"
+        self.sessions: dict[tuple[str, str], Session] = {}
+        self.moved: dict[str, str] = {}  # execution_id -> worker that now holds it
+        self.in_flight = 0
+        self._emit = emit
+        self.peers = peers
+        self._on_change = on_change or (lambda: None)
+        self._open = asyncio.Event()  # closed while weights are swapped
+        self._open.set()
+        self._idle = asyncio.Condition()
+        self.log = get_logger(worker_id=worker_id, cell_id=cell_id)
+
+    # ---- status ----
+
+    def executions(self) -> set[str]:
+        return {e for e, _ in self.sessions}
+
+    def status(self) -> WorkerStatus:
+        return WorkerStatus(
+            worker_id=self.worker_id,
+            cell_id=self.cell_id,
+            state=self.state,
+            live_sessions=len(self.executions()),
+            capacity=self.capacity,
+            in_flight=self.in_flight,
+            policy_version=self.policy_version,
+            max_model_len=self.engine.max_model_len,
+            moved=dict(self.moved),
+        )
+
+    # ---- generation ----
+
+    async def generate(self, request: GenerateRequest, delta: np.ndarray) -> GenerateReply:
+        ids = {"worker_id": self.worker_id, "cell_id": self.cell_id}
+        moved_to = self.moved.get(request.execution_id)
+        if moved_to is not None:
+            return GenerateReply(status="moved", moved_to=moved_to, detail="session migrated", **ids)
+        key = (request.execution_id, request.chain_id)
+        session = self.sessions.get(key)
+        if session is None:
+            if self.state != "active":
+                return GenerateReply(status="draining", detail=f"worker {self.worker_id} is {self.state}", **ids)
+            if request.base_len > 0:
+                return GenerateReply(status="resync", detail="no such session on this worker", **ids)
+            session = Session(request.execution_id, request.chain_id)
+            self.sessions[key] = session
+            self._on_change()
+        async with session.lock:
+            if self.moved.get(request.execution_id) is not None:
+                # Migrated while this request waited behind an in-flight one.
+                return GenerateReply(status="moved", moved_to=self.moved[request.execution_id], **ids)
+            if request.base_len > len(session.history) or (
+                request.base_len > 0 and tokens_digest(session.history[: request.base_len]) != request.base_digest
+            ):
+                return GenerateReply(
+                    status="resync",
+                    detail=f"session holds {len(session.history)} tokens; base of {request.base_len} does not match",
+                    **ids,
+                )
+            prompt = np.concatenate([session.history[: request.base_len], delta]).astype(np.int32)
+            if len(prompt) + request.sampling.max_tokens > self.engine.max_model_len:
+                return GenerateReply(
+                    status="error",
+                    detail=f"prompt of {len(prompt)} tokens plus max_tokens {request.sampling.max_tokens} exceeds "
+                    f"the context of {self.engine.max_model_len}",
+                    **ids,
+                )
+            await self._open.wait()
+            self.in_flight += 1
+            version = self.policy_version
+            try:
+                out = await self.engine.generate([int(t) for t in prompt], request.sampling, request.request_id)
+            finally:
+                self.in_flight -= 1
+                async with self._idle:
+                    self._idle.notify_all()
+            session.history = np.concatenate([prompt, np.asarray(out.token_ids, dtype=np.int32)]).astype(np.int32)
+        return GenerateReply(
+            status="ok",
+            completion=out.token_ids,
+            logprobs=out.logprobs,
+            finish_reason=out.finish_reason,
+            stop_sequence=out.stop_sequence,
+            prompt_tokens=out.prompt_tokens,
+            cached_tokens=out.cached_tokens,
+            policy_version=version,
+            **ids,
+        )
+
+    def end_sessions(self, execution_id: str) -> int:
+        keys = [k for k in self.sessions if k[0] == execution_id]
+        for k in keys:
+            del self.sessions[k]
+        self.moved.pop(execution_id, None)
+        if keys:
+            self._on_change()
+        return len(keys)
+
+    # ---- weights ----
+
+    async def apply_weights(self, version: int, state_dict: Mapping[str, Any]) -> None:
+        """Swap weights between calls: new calls wait, in-flight calls finish on the old policy first."""
+        if version <= self.policy_version and version != 0:
+            self.log.info("weights_skipped", version=version, current=self.policy_version)
+            return
+        self._open.clear()
+        try:
+            async with self._idle:
+                await self._idle.wait_for(lambda: self.in_flight == 0)
+            started = time.perf_counter()
+            await self.engine.load_weights(state_dict)
+            self.policy_version = version
+            self.log.info("weights_loaded", version=version, seconds=round(time.perf_counter() - started, 4))
+        finally:
+            self._open.set()
+            self._on_change()
+
+    # ---- migration ----
+
+    async def adopt(self, request: AdoptRequest, history: np.ndarray) -> AdoptReply:
+        """Take over a session from a draining worker; prefill its history now (from moved KV if possible)."""
+        if self.state != "active":
+            return AdoptReply(ok=False, detail=f"worker {self.worker_id} is {self.state}")
+        started = time.perf_counter()
+        key = (request.execution_id, request.chain_id)
+        session = self.sessions.get(key) or Session(request.execution_id, request.chain_id)
+        async with session.lock:
+            session.history = np.asarray(history, dtype=np.int32)
+            self.sessions[key] = session
+            self.moved.pop(request.execution_id, None)
+            cached = 0
+            if request.method == "kv" and request.kv_prompt_len > 0:
+                prompt = session.history[: request.kv_prompt_len]
+                request_id = f"{KV_LOAD_PREFIX}{uuid.uuid4().hex}"
+            else:
+                prompt = session.history
+                request_id = f"adopt-{uuid.uuid4().hex}"
+            if len(prompt) > 1:
+                # One greedy token: the point is the prefill, which leaves the history in the prefix cache.
+                out = await self.engine.generate(
+                    [int(t) for t in prompt], SamplingSpec(max_tokens=1, temperature=0.0), request_id
+                )
+                cached = out.cached_tokens
+        self._on_change()
+        return AdoptReply(ok=True, cached_tokens=cached, seconds=time.perf_counter() - started)
+
+    async def drain(self, request: DrainRequest) -> DrainReply:
+        """Stop taking new sessions and move every live session to other workers (KV, else recompute)."""
+        started = time.perf_counter()
+        self.state = "draining"
+        self._on_change()
+        results: list[MigrationResult] = []
+        failures: list[str] = []
+        for key in sorted(self.sessions):
+            session = self.sessions.get(key)
+            if session is None:
+                continue
+            try:
+                results.append(await self._migrate(session, request))
+            except Exception as exc:  # keep draining the others; report what failed
+                self.log.exception("migration_failed", execution_id=key[0], chain_id=key[1])
+                failures.append(f"{key[0]}/{key[1]}: {type(exc).__name__}: {exc}")
+        self.state = "drained" if not failures else "draining"
+        self._on_change()
+        return DrainReply(
+            ok=not failures,
+            detail="; ".join(failures),
+            migrated=results,
+            seconds=time.perf_counter() - started,
+        )
+
+    def _pick_target(self, execution_id: str, preferred: Sequence[str]) -> WorkerStatus:
+        if self.peers is None:
+            raise RuntimeError("worker has no peers to migrate to")
+        candidates = [c for c in self.peers.candidates(exclude=self.worker_id) if c.state == "active"]
+        if not candidates:
+            raise RuntimeError("no active worker to migrate to")
+        # Keep an execution's chains together: follow where its first chain went.
+        if execution_id in self.moved:
+            for c in candidates:
+                if c.worker_id == self.moved[execution_id]:
+                    return c
+        ordered = [c for c in candidates if c.worker_id in preferred] or candidates
+        return min(ordered, key=lambda c: (c.live_sessions / c.capacity, c.in_flight, c.worker_id))
+
+    async def _migrate(self, session: Session, request: DrainRequest) -> MigrationResult:
+        assert self.peers is not None
+        async with session.lock:  # an in-flight request on this session completes here first
+            started = time.perf_counter()
+            target = self._pick_target(session.execution_id, request.targets)
+            history = session.history
+            method = request.force_method or ("kv" if self.engine.kv_transfer else "recompute")
+            prompt = kv_prompt(history, self.engine.block_size) if method == "kv" else None
+            moved_bytes = 0
+            reply: AdoptReply | None = None
+            if prompt is not None:
+                await self.engine.generate(
+                    [int(t) for t in prompt],
+                    SamplingSpec(max_tokens=1, temperature=0.0),
+                    f"{KV_SAVE_PREFIX}{uuid.uuid4().hex}",
+                )
+                moved_bytes = self.engine.kv_bytes([int(t) for t in prompt])
+                adopt = AdoptRequest(
+                    execution_id=session.execution_id,
+                    chain_id=session.chain_id,
+                    history=TokenPayload(count=len(history)),
+                    method="kv",
+                    kv_prompt_len=len(prompt),
+                    from_worker=self.worker_id,
+                )
+                reply = await self.peers.adopt(target.worker_id, adopt, history)
+                self.engine.drop_kv([int(t) for t in prompt])
+                if not reply.ok or reply.cached_tokens == 0:
+                    self.log.warning("kv_migration_fell_back", execution_id=session.execution_id, detail=reply.detail)
+                    reply = None
+            if reply is None:
+                method, moved_bytes = "recompute", 0
+                adopt = AdoptRequest(
+                    execution_id=session.execution_id,
+                    chain_id=session.chain_id,
+                    history=TokenPayload(count=len(history)),
+                    method="recompute",
+                    from_worker=self.worker_id,
+                )
+                reply = await self.peers.adopt(target.worker_id, adopt, history)
+                if not reply.ok:
+                    raise RuntimeError(f"worker {target.worker_id} refused the session: {reply.detail}")
+            seconds = time.perf_counter() - started
+            self.moved[session.execution_id] = target.worker_id
+            self.sessions.pop((session.execution_id, session.chain_id), None)
+        result = MigrationResult(
+            execution_id=session.execution_id,
+            chain_id=session.chain_id,
+            to_worker=target.worker_id,
+            method=method,  # type: ignore[arg-type]
+            tokens=len(history),
+            bytes=moved_bytes,
+            seconds=seconds,
+            cached_tokens=reply.cached_tokens,
+        )
+        if self._emit is not None:
+            await self._emit(
+                [
+                    KvMigrated(
+                        execution_id=session.execution_id,
+                        from_cell=self.cell_id,
+                        to_cell=target.cell_id,
+                        tokens=len(history) if method == "recompute" else reply.cached_tokens,
+                        bytes=moved_bytes,
+                        seconds=seconds,
+                        method=method,  # type: ignore[arg-type]
+                    )
+                ]
+            )
+        self.log.info("session_migrated", **result.model_dump())
+        self._on_change()
+        return result

@@ -1,0 +1,154 @@
+"""Test doubles for the rollout service: a char-level codec over Gyre's real chat template, a scripted engine,
+and in-process worker transport. Used by the fast tests; the vLLM tests use the real engine.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jinja2
+import numpy as np
+
+from services.rollout.codec import reply_message
+from services.rollout.conversation import Conversation
+from services.rollout.engine import EngineOutput
+from services.rollout.protocol import AdoptReply, AdoptRequest, GenerateReply, GenerateRequest, SamplingSpec, WorkerStatus
+from services.rollout.router import WorkerUnreachable
+from services.rollout.worker import RolloutWorker
+from shared.tinymodel import chat_template
+
+SPECIALS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
+
+
+class CharCodec:
+    """Renders with shared/chat_template.jinja; one token per character, special markers are single ids."""
+
+    end_of_turn = "<|im_end|>"
+    end_of_turn_id = 2
+
+    def __init__(self) -> None:
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        env.filters["tojson"] = lambda v: json.dumps(v, ensure_ascii=False)
+        self._template = env.from_string(chat_template())
+
+    def render(self, conversation: Conversation, *, add_generation_prompt: bool) -> str:
+        return self._template.render(
+            messages=[m.template_dict() for m in conversation.messages],
+            tools=[t.template_dict() for t in conversation.tools] or None,
+            add_generation_prompt=add_generation_prompt,
+        )
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        i = 0
+        while i < len(text):
+            for n, special in enumerate(SPECIALS, start=1):
+                if text.startswith(special, i):
+                    ids.append(n)
+                    i += len(special)
+                    break
+            else:
+                ids.append(100 + ord(text[i]))
+                i += 1
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i - 100) for i in ids if i >= 100)
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        return [chr(i - 100) if i >= 100 else SPECIALS[i - 1] for i in ids]
+
+
+class ScriptedEngine:
+    """Generates scripted replies (text → char ids ⊕ EOS); logprobs are a pure function of the prompt."""
+
+    block_size = 16
+    kv_transfer = False
+
+    def __init__(
+        self,
+        codec: CharCodec,
+        script: Callable[[list[int]], str] | None = None,
+        *,
+        max_model_len: int = 4096,
+    ) -> None:
+        self.codec = codec
+        self.script = script or (lambda prompt: f"reply {len(prompt)}")
+        self.max_model_len = max_model_len
+        self.prompts: list[list[int]] = []
+        self.weights_version = 0
+        self.fail_next: BaseException | None = None
+
+    async def generate(self, prompt: list[int], sampling: SamplingSpec, request_id: str) -> EngineOutput:
+        if self.fail_next is not None:
+            exc, self.fail_next = self.fail_next, None
+            raise exc
+        cached = 0
+        for earlier in self.prompts:
+            n = 0
+            while n < min(len(earlier), len(prompt)) and earlier[n] == prompt[n]:
+                n += 1
+            cached = max(cached, n // self.block_size * self.block_size)
+        self.prompts.append(list(prompt))
+        text = self.script(prompt)
+        if self.weights_version:
+            text = f"[v{self.weights_version}] {text}"
+        ids = self.codec.encode(text)
+        finish = "stop"
+        if len(ids) >= sampling.max_tokens:
+            ids, finish = ids[: sampling.max_tokens], "length"
+        else:
+            ids = ids + [self.codec.end_of_turn_id]
+        logprobs = [-((sum(prompt) + 7 * k) % 97) / 10.0 for k in range(len(ids))]
+        return EngineOutput(ids, logprobs, finish, None, len(prompt), min(cached, max(0, len(prompt) - 1)))
+
+    async def load_weights(self, state_dict: Mapping[str, Any]) -> None:
+        self.weights_version = int(state_dict["version"])
+
+    async def reset_prefix_cache(self) -> None:
+        self.prompts.clear()
+
+    def kv_bytes(self, prompt: list[int]) -> int:
+        return 0
+
+    def drop_kv(self, prompt: list[int]) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+class LocalWorkers:
+    """In-process transport between router and workers, and between workers (peers)."""
+
+    def __init__(self) -> None:
+        self.workers: dict[str, RolloutWorker] = {}
+        self.down: set[str] = set()
+
+    def add(self, worker: RolloutWorker) -> RolloutWorker:
+        self.workers[worker.worker_id] = worker
+        worker.peers = self
+        return worker
+
+    # WorkerClient
+    async def generate(self, worker_id: str, request: GenerateRequest, delta: np.ndarray) -> GenerateReply:
+        if worker_id in self.down or worker_id not in self.workers:
+            raise WorkerUnreachable(f"{worker_id} is down")
+        return await self.workers[worker_id].generate(request, delta)
+
+    # WorkerPeers
+    def candidates(self, exclude: str) -> list[WorkerStatus]:
+        return [w.status() for wid, w in sorted(self.workers.items()) if wid != exclude and wid not in self.down]
+
+    async def adopt(self, target: str, request: AdoptRequest, history: np.ndarray) -> AdoptReply:
+        return await self.workers[target].adopt(request, history)
+
+
+def tool_call_text(name: str, arguments: dict[str, Any], text: str = "") -> str:
+    body = json.dumps({"name": name, "arguments": arguments})
+    return f"{text}\n<tool_call>\n{body}\n</tool_call>" if text else f"<tool_call>\n{body}\n</tool_call>"
+
+
+__all__ = ["CharCodec", "LocalWorkers", "ScriptedEngine", "reply_message", "tool_call_text"]

@@ -1,0 +1,173 @@
+"""Token-in/token-out (pure core): continuations reuse generated ids, divergence renders afresh."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.rollout.codec import reply_message
+from services.rollout.conversation import ChatMessage, Conversation, ToolSpec
+from services.rollout.recording import ExecutionLog
+from services.rollout.tito import TitoState
+from tests.rollout.fakes import CharCodec, tool_call_text
+
+CODEC = CharCodec()
+TOOLS = (
+    ToolSpec(
+        name="bash",
+        description="run a command",
+        parameters={"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]},
+    ),
+)
+
+texts = st.text(alphabet="abcdefgh xyz.\n{}\"", min_size=0, max_size=30)
+replies = st.one_of(
+    texts,
+    st.builds(lambda t, c: tool_call_text("bash", {"command": c}, t), texts, texts),
+)
+
+
+def _generate(text: str) -> np.ndarray:
+    return np.asarray(CODEC.encode(text) + [CODEC.end_of_turn_id], dtype=np.int32)
+
+
+def _run_turns(state: TitoState, log: ExecutionLog, conv: Conversation, reply_texts: list[str],
+               results: list[str]) -> tuple[list, Conversation]:
+    plans = []
+    for i, text in enumerate(reply_texts):
+        plan = state.plan(conv, CODEC)
+        completion = _generate(text)
+        placement = log.place(plan.prompt)
+        log.add(placement, plan.prompt, completion)
+        reply = reply_message(text)
+        state.commit(plan, completion=completion, reply=reply, codec=CODEC)
+        plans.append((plan, placement))
+        follow = (
+            ChatMessage(role="tool", content=results[i]) if reply.tool_calls else ChatMessage(role="user", content=results[i])
+        )
+        conv = Conversation(messages=conv.messages + (reply, follow), tools=conv.tools)
+    return plans, conv
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(replies, min_size=1, max_size=8), st.lists(texts, min_size=8, max_size=8))
+def test_continuations_stay_on_one_path_and_equal_fresh_tokenization(reply_texts: list[str], results: list[str]) -> None:
+    state, log = TitoState(), ExecutionLog()
+    conv = Conversation(
+        messages=(ChatMessage(role="system", content="be brief"), ChatMessage(role="user", content="start")),
+        tools=TOOLS,
+    )
+    plans, _ = _run_turns(state, log, conv, reply_texts, results)
+    for i, (plan, placement) in enumerate(plans):
+        if i == 0:
+            assert plan.reused is None and placement.branch_hint is None
+            continue
+        assert plan.reused is not None and plan.reused.kind == "response"
+        assert placement.branch_hint == "continuation"
+        assert placement.parent_call_index == i - 1
+        # The char codec tokenizes canonically, so reuse must give exactly the fresh tokenization whenever the
+        # reply re-renders to exactly the text the model wrote (plain, unstripped text).
+        fresh = np.asarray(CODEC.encode(plan.prompt_text), dtype=np.int32)
+        canonical = [(not reply_message(t).tool_calls and reply_message(t).content == t) for t in reply_texts[:i]]
+        if all(canonical):
+            assert np.array_equal(plan.prompt, fresh)
+
+
+def test_generated_ids_are_reused_even_when_retokenizing_would_differ() -> None:
+    state = TitoState()
+    conv = Conversation(messages=(ChatMessage(role="user", content="hi"),))
+    plan = state.plan(conv, CODEC)
+    # The model spelled "ok" with an id the tokenizer would never produce (like a non-canonical BPE split).
+    odd = np.array([100 + ord("o"), 99, CODEC.end_of_turn_id], dtype=np.int32)
+    reply = ChatMessage(role="assistant", content="o")
+    state.commit(plan, completion=odd, reply=reply, codec=CODEC)
+    nxt = Conversation(messages=conv.messages + (reply, ChatMessage(role="user", content="more")))
+    plan2 = state.plan(nxt, CODEC)
+    prefix = np.concatenate([plan.prompt, odd])
+    assert np.array_equal(plan2.prompt[: len(prefix)], prefix)
+    assert plan2.prompt_text.endswith("<|im_start|>assistant\n")
+
+
+def test_tool_call_reply_reuses_generated_json_spacing() -> None:
+    state = TitoState()
+    conv = Conversation(messages=(ChatMessage(role="user", content="list files"),), tools=TOOLS)
+    plan = state.plan(conv, CODEC)
+    # Generated JSON without spaces; the template re-renders it with spaces.
+    generated = '<tool_call>\n{"name":"bash","arguments":{"command":"ls"}}\n</tool_call>'
+    completion = _generate(generated)
+    reply = reply_message(generated)
+    assert reply.tool_calls and reply.tool_calls[0].arguments == {"command": "ls"}
+    state.commit(plan, completion=completion, reply=reply, codec=CODEC)
+    nxt = Conversation(messages=conv.messages + (reply, ChatMessage(role="tool", content="a.txt")), tools=TOOLS)
+    plan2 = state.plan(nxt, CODEC)
+    prefix = np.concatenate([plan.prompt, completion])
+    assert np.array_equal(plan2.prompt[: len(prefix)], prefix)
+    assert not np.array_equal(plan2.prompt, np.asarray(CODEC.encode(plan2.prompt_text)))
+
+
+def test_edited_history_is_rendered_afresh_and_recorded_as_fork() -> None:
+    state, log = TitoState(), ExecutionLog()
+    conv = Conversation(messages=(ChatMessage(role="user", content="task one"),))
+    plans, conv2 = _run_turns(state, log, conv, ["first", "second"], ["next", "again"])
+    # A harness that rewrites the first user message (e.g. compaction into a summary).
+    compacted = Conversation(messages=(ChatMessage(role="user", content="summary of work so far"),))
+    plan = state.plan(compacted, CODEC)
+    assert plan.reused is None
+    assert np.array_equal(plan.prompt, np.asarray(CODEC.encode(plan.prompt_text), dtype=np.int32))
+    placement = log.place(plan.prompt)
+    assert placement.branch_hint == "fork"
+    assert plan.chain_id == "main"  # same system prompt and tools: the same agent chain
+
+
+def test_resending_the_same_request_is_a_retry_with_identical_prompt() -> None:
+    state, log = TitoState(), ExecutionLog()
+    conv = Conversation(messages=(ChatMessage(role="user", content="hello"),))
+    plans, _ = _run_turns(state, log, conv, ["a"], ["b"])
+    again = state.plan(conv, CODEC)
+    assert np.array_equal(again.prompt, plans[0][0].prompt)
+    assert log.place(again.prompt).branch_hint == "retry"
+
+
+def test_echo_with_stripped_whitespace_still_continues() -> None:
+    state = TitoState()
+    conv = Conversation(messages=(ChatMessage(role="user", content="q"),))
+    plan = state.plan(conv, CODEC)
+    state.commit(plan, completion=_generate("answer \n"), reply=ChatMessage(role="assistant", content="answer \n"),
+                 codec=CODEC)
+    echoed = ChatMessage(role="assistant", content="answer")
+    plan2 = state.plan(Conversation(messages=conv.messages + (echoed, ChatMessage(role="user", content="q2"))), CODEC)
+    assert plan2.reused is not None and plan2.reused.kind == "response"
+
+
+def test_a_different_system_prompt_starts_a_new_chain() -> None:
+    state, log = TitoState(), ExecutionLog()
+    main = Conversation(messages=(ChatMessage(role="system", content="main agent"),
+                                  ChatMessage(role="user", content="do it")), tools=TOOLS)
+    _run_turns(state, log, main, ["ok"], ["go"])
+    sub = Conversation(messages=(ChatMessage(role="system", content="sub agent"),
+                                 ChatMessage(role="user", content="part")))
+    plan = state.plan(sub, CODEC)
+    assert plan.chain_id == "chain-1"
+    assert log.place(plan.prompt, new_chain=True).branch_hint == "delegation"
+
+
+def test_reply_cut_by_max_tokens_is_closed_with_end_of_turn_before_reuse() -> None:
+    state = TitoState()
+    conv = Conversation(messages=(ChatMessage(role="user", content="q"),))
+    plan = state.plan(conv, CODEC)
+    truncated = np.asarray(CODEC.encode("partial"), dtype=np.int32)  # no EOS: finish_reason length
+    state.commit(plan, completion=truncated, reply=ChatMessage(role="assistant", content="partial"), codec=CODEC)
+    nxt = Conversation(messages=conv.messages + (ChatMessage(role="assistant", content="partial"),
+                                                 ChatMessage(role="user", content="go on")))
+    plan2 = state.plan(nxt, CODEC)
+    expected = np.concatenate([plan.prompt, truncated, [CODEC.end_of_turn_id]])
+    assert np.array_equal(plan2.prompt[: len(expected)], expected)
+    assert np.array_equal(plan2.prompt, np.asarray(CODEC.encode(plan2.prompt_text), dtype=np.int32))
+
+
+def test_anchor_memory_is_bounded() -> None:
+    state, log = TitoState(max_anchors=4), ExecutionLog()
+    conv = Conversation(messages=(ChatMessage(role="user", content="x"),))
+    _run_turns(state, log, conv, [f"r{i}" for i in range(6)], [f"u{i}" for i in range(6)])
+    assert len(state.anchors) == 4
