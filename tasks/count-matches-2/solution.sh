@@ -1,0 +1,2 @@
+#!/bin/bash
+grep -c WARN /app/log.txt > /app/count.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+grep -c timeout /app/log.txt > /app/count.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+printf '%s\n' 'hello world' > /app/hello.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+printf '%s\n' 'good morning' > /app/greeting.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+printf '%s\n' 'gyre rocks' > /app/note.txt

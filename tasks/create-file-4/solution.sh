@@ -1,0 +1,2 @@
+#!/bin/bash
+printf '%s\n' 42 > /app/answer.txt

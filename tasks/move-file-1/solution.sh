@@ -1,0 +1,2 @@
+#!/bin/bash
+mkdir -p /app/archive && mv /app/report.txt /app/archive/

@@ -1,0 +1,2 @@
+#!/bin/bash
+mkdir -p /app/backup && mv /app/data.csv /app/backup/

@@ -1,0 +1,2 @@
+#!/bin/bash
+LC_ALL=C sort /app/names.txt > /app/sorted.txt

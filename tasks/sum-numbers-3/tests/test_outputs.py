@@ -1,0 +1,17 @@
+"""Tests for the generated task sum-numbers-3; run by run-tests.sh after the agent stops."""
+
+from pathlib import Path
+
+APP = Path("/app")
+
+
+def test_sum_file_exists():
+    assert (APP / "sum.txt").is_file()
+
+
+def test_sum_is_correct():
+    assert (APP / "sum.txt").read_text().strip() == "121"
+
+
+def test_input_untouched():
+    assert (APP / "numbers.txt").read_text() == '7\n-2\n15\n100\n1\n'

@@ -1,0 +1,2 @@
+#!/bin/bash
+tr '[:lower:]' '[:upper:]' < /app/in.txt > /app/out.txt

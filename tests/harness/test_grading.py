@@ -1,0 +1,73 @@
+"""Grading core: pytest -rA summaries and reward files become scores in [0, 1]."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from services.harness.grading import TestOutcome, grade, grade_pytest_output, parse_pytest_summary
+
+SAMPLE = """\
+============================= test session starts ==============================
+collected 3 items
+
+../tests/test_outputs.py .F.                                             [100%]
+
+=================================== FAILURES ===================================
+PASSED something that is not in the summary
+=========================== short test summary info ============================
+PASSED ../tests/test_outputs.py::test_a
+FAILED ../tests/test_outputs.py::test_b - assert 1 == 2
+PASSED ../tests/test_outputs.py::test_c
+========================= 1 failed, 2 passed in 0.02s ==========================
+"""
+
+
+def test_summary_lines_give_fraction_passed() -> None:
+    result = grade_pytest_output(SAMPLE)
+    assert result.score == 2 / 3
+    assert result.source == "pytest"
+    assert dict(result.tests)["../tests/test_outputs.py::test_b"] is TestOutcome.FAILED
+    assert not result.resolved
+
+
+def test_teardown_error_after_pass_counts_as_error() -> None:
+    text = "=== short test summary info ===\nPASSED t.py::a\nERROR t.py::a - teardown boom\nPASSED t.py::b\n"
+    assert dict(parse_pytest_summary(text))["t.py::a"] is TestOutcome.ERROR
+    assert grade_pytest_output(text).score == 0.5
+
+
+def test_collection_error_scores_zero() -> None:
+    text = "=== short test summary info ===\nERROR ../tests/test_outputs.py - ModuleNotFoundError\n"
+    assert grade_pytest_output(text).score == 0.0
+
+
+def test_no_results_scores_zero_with_reason() -> None:
+    result = grade_pytest_output("bash: python: command not found\n")
+    assert result.score == 0.0 and result.source == "none" and "no pytest results" in result.detail
+
+
+def test_reward_file_wins_over_summary() -> None:
+    result = grade(SAMPLE, "0.25\n")
+    assert result.score == 0.25 and result.source == "reward-file"
+
+
+def test_bad_reward_file_scores_zero_with_reason() -> None:
+    for text in ("lots", "1.5", "nan", "-0.1"):
+        result = grade("", text)
+        assert result.score == 0.0 and "reward file" in result.detail
+
+
+outcomes = st.sampled_from(["PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS"])
+
+
+@given(st.lists(outcomes, max_size=30))
+def test_score_is_fraction_of_counted_tests(words: list[str]) -> None:
+    lines = ["=== short test summary info ==="] + [f"{w} t.py::test_{i}" for i, w in enumerate(words)]
+    result = grade_pytest_output("\n".join(lines) + "\n")
+    counted = [w for w in words if w != "SKIPPED"]
+    passed = [w for w in counted if w in ("PASSED", "XFAIL", "XPASS")]
+    expected = len(passed) / len(counted) if counted else 0.0
+    assert result.score == expected
+    assert 0.0 <= result.score <= 1.0
+    assert result.resolved == (bool(counted) and len(passed) == len(counted))

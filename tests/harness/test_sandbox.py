@@ -1,0 +1,178 @@
+"""Process sandbox containment: filesystem, network, and runaway processes (bounded so the host is safe)."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+
+from services.harness.sandbox import ProcessSandbox, SandboxLimits, SandboxSpec
+
+
+def processes_of_uid(uid: int) -> list[int]:
+    """Host pids whose real uid is the sandbox's: what would have escaped the kill."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            status = Path(f"/proc/{entry}/status").read_text()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("Uid:") and int(line.split()[1]) == uid:
+                found.append(int(entry))
+    return found
+
+
+def limited(tmp_path: Path, backend: str, **limits: int) -> ProcessSandbox:
+    spec = SandboxSpec(workdir="/app", limits=SandboxLimits(**limits), kill_grace_s=0.5)
+    return ProcessSandbox(tmp_path / "limited", spec, backend=backend)  # type: ignore[arg-type]
+
+
+def test_workspace_is_mapped_at_workdir_and_writable(sandbox: ProcessSandbox) -> None:
+    result = sandbox.exec("pwd && echo made > result.txt", timeout_s=60)
+    assert result.ok, result.stderr
+    assert result.stdout.strip() == "/app"
+    assert (sandbox.work_host / "result.txt").read_text() == "made\n"
+
+
+@pytest.mark.parametrize("target", ["/etc/gyre-escape", "/usr/gyre-escape", "/gyre-escape", "/root/gyre-escape"])
+def test_writing_outside_the_workspace_fails(sandbox: ProcessSandbox, target: str) -> None:
+    result = sandbox.exec(f"echo x > {target}", timeout_s=60)
+    assert result.exit_code != 0
+    assert not Path(target).exists()
+
+
+def test_host_project_and_tmp_are_not_writable_from_inside(sandbox: ProcessSandbox, tmp_path: Path) -> None:
+    host_file = tmp_path / "host-owned.txt"
+    host_file.write_text("original")
+    # tmp_path is under the host's /tmp, which the sandbox replaces with its own.
+    result = sandbox.exec(f"echo changed > {host_file}; ls {tmp_path}", timeout_s=60)
+    assert result.exit_code != 0
+    assert host_file.read_text() == "original"
+    venv_file = Path(os.__file__)
+    assert sandbox.exec(f"echo x >> {venv_file}", timeout_s=60).exit_code != 0
+
+
+def test_network_connections_fail(sandbox: ProcessSandbox) -> None:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.settimeout(3)
+    port = listener.getsockname()[1]
+    accepted: list[object] = []
+
+    def accept() -> None:
+        try:
+            accepted.append(listener.accept())
+        except OSError:
+            pass
+
+    thread = threading.Thread(target=accept)
+    thread.start()
+    script = (
+        "import socket\n"
+        "for addr in [('127.0.0.1', %d), ('1.1.1.1', 53), ('8.8.8.8', 443)]:\n"
+        "    try:\n"
+        "        socket.create_connection(addr, timeout=2); print('CONNECTED', addr)\n"
+        "    except OSError as exc:\n"
+        "        print('BLOCKED', addr, exc)\n"
+    ) % port
+    result = sandbox.exec(["python", "-c", script], timeout_s=60)
+    thread.join()
+    listener.close()
+    assert "CONNECTED" not in result.stdout
+    assert result.stdout.count("BLOCKED") == 3
+    assert accepted == []
+
+
+def test_background_processes_do_not_outlive_the_command(sandbox: ProcessSandbox) -> None:
+    result = sandbox.exec("(sleep 300 &) ; setsid sleep 300 & echo started", timeout_s=60)
+    assert result.ok
+    assert processes_of_uid(sandbox.uid) == []
+
+
+def test_fork_bomb_is_contained_and_killed_at_timeout(tmp_path: Path, backend: str) -> None:
+    box = limited(tmp_path, backend, max_processes=64)
+    try:
+        result = box.exec(":(){ :|:& };:; sleep 300", timeout_s=5)
+        assert result.timed_out or result.exit_code != 0
+        assert processes_of_uid(box.uid) == []
+    finally:
+        box.close(remove=True)
+    # The host can still start processes.
+    assert subprocess.run(["true"]).returncode == 0
+
+
+def test_memory_hog_is_capped_and_killed_at_timeout(tmp_path: Path, backend: str) -> None:
+    box = limited(tmp_path, backend, memory_bytes=256 * 1024**2)
+    hog = (
+        "import time\n"
+        "chunks = []\n"
+        "try:\n"
+        "    for _ in range(64):\n"
+        "        chunks.append(bytearray(64 * 1024 * 1024))\n"
+        "    print('allocated 4 GiB', flush=True)\n"
+        "except MemoryError:\n"
+        "    print('capped at', len(chunks) * 64, 'MiB', flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    try:
+        result = box.exec(["python", "-c", hog], timeout_s=8)
+        assert result.timed_out
+        assert "capped at" in result.stdout
+        assert int(result.stdout.split()[2]) < 256
+        assert processes_of_uid(box.uid) == []
+    finally:
+        box.close(remove=True)
+
+
+def test_process_ignoring_sigterm_is_killed_at_timeout(tmp_path: Path, backend: str) -> None:
+    box = limited(tmp_path, backend)
+    stubborn = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ready', flush=True)\ntime.sleep(600)\n"
+    try:
+        quoted = shlex.quote(stubborn)
+        result = box.exec(f"trap '' TERM; python -c {quoted} & python -c {quoted}; wait", timeout_s=5)
+        assert result.timed_out and result.exit_code is None
+        assert result.stdout.count("ready") == 2
+        assert processes_of_uid(box.uid) == []
+    finally:
+        box.close(remove=True)
+
+
+def test_cpu_time_limit_stops_a_busy_loop(tmp_path: Path, backend: str) -> None:
+    box = limited(tmp_path, backend, cpu_seconds=1)
+    try:
+        result = box.exec(["python", "-c", "while True: pass"], timeout_s=120)
+        assert not result.timed_out
+        assert result.exit_code != 0
+    finally:
+        box.close(remove=True)
+
+
+def test_file_size_limit_caps_a_large_write(tmp_path: Path, backend: str) -> None:
+    box = limited(tmp_path, backend, file_size_bytes=1024 * 1024)
+    try:
+        result = box.exec("head -c 10000000 /dev/zero > big.bin", timeout_s=60)
+        assert result.exit_code != 0
+        assert (box.work_host / "big.bin").stat().st_size <= 1024 * 1024
+    finally:
+        box.close(remove=True)
+
+
+def test_output_is_capped_keeping_head_and_tail(tmp_path: Path, backend: str) -> None:
+    spec = SandboxSpec(workdir="/app", max_output_bytes=4096)
+    box = ProcessSandbox(tmp_path / "out", spec, backend=backend)  # type: ignore[arg-type]
+    try:
+        result = box.exec("echo FIRST; head -c 100000 /dev/zero | tr '\\0' x; echo; echo LAST", timeout_s=60)
+        assert result.truncated
+        assert result.stdout.startswith("FIRST") and result.stdout.rstrip().endswith("LAST")
+        assert len(result.stdout) < 5000
+    finally:
+        box.close(remove=True)

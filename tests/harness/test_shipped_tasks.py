@@ -1,0 +1,32 @@
+"""Every shipped task scores < 1.0 with no work done and 1.0 with its reference solution, in the sandbox."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.harness.sandbox import make_sandbox
+from services.harness.taskrun import prepare, run_solution, run_tests, sandbox_spec_for
+from services.harness.tasks import discover_tasks
+
+from .conftest import TASKS
+
+SHIPPED = discover_tasks(TASKS)
+
+
+@pytest.mark.parametrize("task", SHIPPED, ids=[task.task_id for task in SHIPPED])
+def test_reference_solution_resolves_and_no_work_does_not(task, tmp_path: Path, best_backend: str) -> None:  # type: ignore[no-untyped-def]
+    sandbox = make_sandbox(tmp_path / "sb", sandbox_spec_for(task), backend=best_backend)
+    try:
+        prepare(task, sandbox)
+        # Grading twice in one sandbox is safe: tests are copied in fresh and leave nothing in the workdir.
+        untouched, _ = run_tests(task, sandbox)
+        assert untouched.score < 1.0, untouched
+        solved = run_solution(task, sandbox)
+        assert solved.ok, solved.stderr[-2000:]
+        graded, output = run_tests(task, sandbox)
+        assert graded.score == 1.0, (graded, output.stdout[-3000:], output.stderr[-2000:])
+        assert graded.resolved
+    finally:
+        sandbox.close(remove=True)
