@@ -21,6 +21,7 @@ KindSource = Literal["root", "label", "hint", "inferred"]
 BRANCH_KINDS: tuple[str, ...] = ("continuation", "compaction", "delegation", "retry", "fork")
 
 _NO_VERSION = -1  # policy_version of a context token
+MAIN_CHAIN = "main"
 
 
 class TreeBuildError(Exception):
@@ -463,8 +464,8 @@ class TreeBuilder:
         from_call = head
         if label is not None and label.from_call_index is not None and label.from_call_index < index:
             from_call = label.from_call_index
-        if index == 0:
-            kind, source = "root", "root"
+        if head is None and record.chain_id == MAIN_CHAIN:
+            kind, source = "root", "root"  # the main chain's first call starts the execution's main line
         elif label is not None:
             kind, source = label.kind, "label"
         elif record.branch_hint is not None:
