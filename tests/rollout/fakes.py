@@ -152,3 +152,78 @@ def tool_call_text(name: str, arguments: dict[str, Any], text: str = "") -> str:
 
 
 __all__ = ["CharCodec", "LocalWorkers", "ScriptedEngine", "reply_message", "tool_call_text"]
+
+
+# ---- an in-process gateway over fake or real engines ------------------------------------------------
+
+from dataclasses import dataclass, field  # noqa: E402
+
+import httpx  # noqa: E402
+
+from services.rollout.credentials import ExecutionRegistry  # noqa: E402
+from services.rollout.gateway import GatewayCore, create_app  # noqa: E402
+from services.rollout.recording import InMemoryCallRecorder  # noqa: E402
+from services.rollout.router import Router, WorkerDirectory  # noqa: E402
+
+
+@dataclass
+class Stack:
+    app: Any
+    core: GatewayCore
+    registry: ExecutionRegistry
+    recorder: Any
+    local: LocalWorkers
+    directory: WorkerDirectory
+    engines: list[Any] = field(default_factory=list)
+
+    def refresh(self) -> None:
+        """Feed the workers' current status to the router (the NATS shell does this with heartbeats)."""
+        for w in self.local.workers.values():
+            self.directory.update(w.status())
+
+    def http(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://gateway")
+
+    def sdk_http(self) -> Any:
+        # The SDKs are built on httpx2 and refuse httpx objects.
+        import httpx2
+
+        return httpx2.AsyncClient(transport=httpx2.ASGITransport(app=self.app), base_url="http://gateway")
+
+    def anthropic(self, token: str) -> Any:
+        import anthropic
+
+        return anthropic.AsyncAnthropic(api_key=token, base_url="http://gateway", http_client=self.sdk_http(),
+                                        max_retries=0)
+
+    def openai(self, token: str) -> Any:
+        import openai
+
+        return openai.AsyncOpenAI(api_key=token, base_url="http://gateway/v1", http_client=self.sdk_http(),
+                                  max_retries=0)
+
+
+def build_stack(
+    engines: list[Any],
+    codec: Any,
+    *,
+    capacity: int = 8,
+    recorder: Any = None,
+    max_body_bytes: int = 32 * 1024 * 1024,
+    emit: Any = None,
+) -> Stack:
+    local = LocalWorkers()
+    directory = WorkerDirectory(stale_after_s=1e9)
+    for i, engine in enumerate(engines):
+        local.add(RolloutWorker(engine, worker_id=f"w{i}", cell_id=f"cell-{i}", capacity=capacity, emit=emit))
+    router = Router(directory, local)
+    recorder = recorder or InMemoryCallRecorder()
+    core = GatewayCore(codec=codec, router=router, recorder=recorder,
+                       max_model_len=min(e.max_model_len for e in engines), model_name="tiny")
+    registry = ExecutionRegistry(secret=b"test-secret")
+    app = create_app(core, registry, max_body_bytes=max_body_bytes)
+    stack = Stack(app, core, registry, recorder, local, directory, list(engines))
+    for w in local.workers.values():
+        w._on_change = stack.refresh
+    stack.refresh()
+    return stack

@@ -1,0 +1,221 @@
+"""NATS shell of the rollout data path: worker endpoints, the router's worker client, peers, status heartbeats.
+
+Subjects (under the bus prefix): `rollout.worker.<id>.{generate,adopt,drain,end}` (request/reply) and
+`rollout.status` (each worker's heartbeat). Token arrays above `inline_limit` go through the object store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats.errors
+import numpy as np
+
+from services.rollout.protocol import (
+    AdoptReply,
+    AdoptRequest,
+    DrainReply,
+    DrainRequest,
+    EndSessions,
+    GenerateReply,
+    GenerateRequest,
+    TokenPayload,
+    WorkerStatus,
+    unpack,
+)
+from services.rollout.router import WorkerDirectory, WorkerUnreachable
+from services.rollout.worker import RolloutWorker
+from shared.bus import Bus
+from shared.logging import get_logger
+
+INLINE_LIMIT = 512 * 1024  # packed bytes; NATS's default max_payload is 1 MiB and base64 adds a third
+GENERATE_TIMEOUT_S = 900.0
+
+log = get_logger(component="rollout_transport")
+
+
+def worker_subject(bus: Bus, worker_id: str, verb: str) -> str:
+    return f"{bus.prefix}.rollout.worker.{worker_id}.{verb}"
+
+
+def status_subject(bus: Bus) -> str:
+    return f"{bus.prefix}.rollout.status"
+
+
+async def send_tokens(bus: Bus, ids: np.ndarray, *, inline_limit: int = INLINE_LIMIT) -> TokenPayload:
+    payload, packed = TokenPayload.pack(ids)
+    if len(packed) <= inline_limit:
+        return payload
+    digest = await bus.put_object(packed)
+    return TokenPayload(count=len(ids), object_name=digest)
+
+
+async def receive_tokens(bus: Bus, payload: TokenPayload) -> np.ndarray:
+    if payload.inline is not None:
+        return payload.unpack_inline()
+    if payload.object_name is None:
+        if payload.count == 0:
+            return np.zeros(0, dtype=np.int32)
+        raise ValueError(f"token payload of {payload.count} tokens has neither inline data nor an object name")
+    return unpack(await bus.get_object(payload.object_name), payload.count)
+
+
+async def _request(bus: Bus, subject: str, body: bytes, timeout: float) -> bytes:
+    try:
+        return await bus.request(subject, body, timeout=timeout)
+    except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
+        raise WorkerUnreachable(f"{subject}: {type(exc).__name__}") from exc
+
+
+def _reply_or_error(data: bytes) -> dict[str, Any]:
+    body = json.loads(data)
+    if isinstance(body, dict) and set(body) == {"error"}:
+        raise RuntimeError(f"worker failed: {body['error']}")
+    return body  # type: ignore[no-any-return]
+
+
+class NatsWorkerClient:
+    """The router's WorkerClient over NATS request/reply."""
+
+    def __init__(self, bus: Bus, *, inline_limit: int = INLINE_LIMIT, timeout_s: float = GENERATE_TIMEOUT_S) -> None:
+        self.bus = bus
+        self.inline_limit = inline_limit
+        self.timeout_s = timeout_s
+
+    async def generate(self, worker_id: str, request: GenerateRequest, delta: np.ndarray) -> GenerateReply:
+        payload = await send_tokens(self.bus, delta, inline_limit=self.inline_limit)
+        body = request.model_copy(update={"delta": payload}).model_dump_json().encode()
+        data = await _request(self.bus, worker_subject(self.bus, worker_id, "generate"), body, self.timeout_s)
+        try:
+            return GenerateReply.model_validate(_reply_or_error(data))
+        except RuntimeError as exc:
+            return GenerateReply(status="error", detail=str(exc), worker_id=worker_id)
+
+    async def drain(self, worker_id: str, request: DrainRequest, *, timeout_s: float = 600.0) -> DrainReply:
+        data = await _request(
+            self.bus, worker_subject(self.bus, worker_id, "drain"), request.model_dump_json().encode(), timeout_s
+        )
+        return DrainReply.model_validate(_reply_or_error(data))
+
+    async def end_sessions(self, worker_id: str, execution_id: str) -> None:
+        await _request(
+            self.bus,
+            worker_subject(self.bus, worker_id, "end"),
+            EndSessions(execution_id=execution_id).model_dump_json().encode(),
+            10.0,
+        )
+
+
+class NatsPeers:
+    """A worker's view of the other workers (for drains): the status directory plus adopt requests."""
+
+    def __init__(self, bus: Bus, directory: WorkerDirectory, *, inline_limit: int = INLINE_LIMIT) -> None:
+        self.bus = bus
+        self.directory = directory
+        self.inline_limit = inline_limit
+
+    def candidates(self, exclude: str) -> list[WorkerStatus]:
+        return self.directory.candidates(exclude=exclude)
+
+    async def adopt(self, target: str, request: AdoptRequest, history: np.ndarray) -> AdoptReply:
+        payload = await send_tokens(self.bus, history, inline_limit=self.inline_limit)
+        body = request.model_copy(update={"history": payload}).model_dump_json().encode()
+        data = await _request(self.bus, worker_subject(self.bus, target, "adopt"), body, GENERATE_TIMEOUT_S)
+        return AdoptReply.model_validate(_reply_or_error(data))
+
+
+async def watch_statuses(bus: Bus, directory: WorkerDirectory) -> Any:
+    """Feed worker heartbeats into a directory; returns the subscription."""
+
+    async def on_msg(msg: Any) -> None:
+        try:
+            directory.update(WorkerStatus.model_validate_json(msg.data))
+        except ValueError:
+            log.warning("bad_worker_status", data=msg.data[:200])
+
+    return await bus.nc.subscribe(status_subject(bus), cb=on_msg)
+
+
+@dataclass
+class WorkerServer:
+    """A worker's NATS endpoints and heartbeat; `stop()` unsubscribes and ends the heartbeat."""
+
+    worker: RolloutWorker
+    bus: Bus
+    heartbeat_s: float = 1.0
+    subscriptions: list[Any] = field(default_factory=list)
+    _task: asyncio.Task[None] | None = None
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    _inflight: set[asyncio.Task[None]] = field(default_factory=set)
+
+    async def start(self) -> WorkerServer:
+        w, bus = self.worker, self.bus
+        w._on_change = self._changed.set
+
+        async def generate(data: bytes) -> bytes:
+            request = GenerateRequest.model_validate_json(data)
+            delta = await receive_tokens(bus, request.delta)
+            return (await w.generate(request, delta)).model_dump_json().encode()
+
+        async def adopt(data: bytes) -> bytes:
+            request = AdoptRequest.model_validate_json(data)
+            history = await receive_tokens(bus, request.history)
+            return (await w.adopt(request, history)).model_dump_json().encode()
+
+        async def drain(data: bytes) -> bytes:
+            return (await w.drain(DrainRequest.model_validate_json(data))).model_dump_json().encode()
+
+        async def end(data: bytes) -> bytes:
+            ended = w.end_sessions(EndSessions.model_validate_json(data).execution_id)
+            return json.dumps({"ended": ended}).encode()
+
+        for verb, handler in (("generate", generate), ("adopt", adopt), ("drain", drain), ("end", end)):
+            self.subscriptions.append(await self._serve(worker_subject(bus, w.worker_id, verb), handler))
+        await self.publish_status()
+        self._task = asyncio.create_task(self._heartbeat())
+        return self
+
+    async def _serve(self, subject: str, handler: Any) -> Any:
+        # nats-py runs one subscription's callbacks one after another; a task per request lets the engine
+        # batch concurrent generations.
+        async def respond(msg: Any) -> None:
+            try:
+                reply = await handler(msg.data)
+            except Exception as exc:  # the requester gets an answer, not a timeout
+                log.exception("worker_request_failed", subject=msg.subject)
+                reply = json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode()
+            await msg.respond(reply)
+
+        async def on_msg(msg: Any) -> None:
+            task = asyncio.create_task(respond(msg))
+            self._inflight.add(task)
+            task.add_done_callback(self._inflight.discard)
+
+        return await self.bus.nc.subscribe(subject, cb=on_msg)
+
+    async def publish_status(self) -> None:
+        await self.bus.nc.publish(status_subject(self.bus), self.worker.status().model_dump_json().encode())
+
+    async def _heartbeat(self) -> None:
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), timeout=self.heartbeat_s)
+            self._changed.clear()
+            try:
+                await self.publish_status()
+            except Exception:  # a reconnecting client must not kill the heartbeat
+                log.warning("heartbeat_failed", worker_id=self.worker.worker_id)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for sub in self.subscriptions:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        self.subscriptions.clear()

@@ -1,0 +1,269 @@
+"""The gateway with the real anthropic/openai SDKs over a scripted engine: protocol, recording, errors."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import numpy as np
+import openai
+import pytest
+
+from shared.calls import CallTokens, ExecutionSequences, CallRecord
+from shared.events import ExecutionBranched
+from tests.rollout.fakes import CharCodec, ScriptedEngine, build_stack, tool_call_text
+
+CODEC = CharCodec()
+BASH = {
+    "name": "bash",
+    "description": "Run a shell command",
+    "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]},
+}
+
+
+def tool_then_text(prompt: list[int]) -> str:
+    """Odd calls ask for a tool; the reply after a tool result is text."""
+    text = CODEC.decode(prompt)
+    if text.rstrip().endswith("</tool_response>\nassistant") or "</tool_response>" in text[-200:]:
+        return "done: " + str(len(prompt))
+    return tool_call_text("bash", {"command": f"echo {len(prompt)}"}, "Let me run it.")
+
+
+@pytest.fixture
+def stack():
+    return build_stack([ScriptedEngine(CODEC, tool_then_text)], CODEC)
+
+
+def records(stack, execution_id: str) -> list[CallRecord]:
+    out = []
+    for call in stack.recorder.calls(execution_id):
+        tokens = CallTokens.decode(stack.recorder.blobs[call.record.digest])
+        out.append(CallRecord(execution_id=call.execution_id, call_id=call.call_id, call_index=call.call_index,
+                              parent_call_index=call.parent_call_index, parent_prefix_len=call.parent_prefix_len,
+                              tokens=tokens, policy_version=call.policy_version, chain_id=call.chain_id,
+                              branch_hint=call.branch_hint))
+    return out
+
+
+async def test_plain_message_is_answered_and_recorded_before_return(stack) -> None:
+    token = stack.registry.register("exec-1")
+    client = stack.anthropic(token)
+    msg = await client.messages.create(model="tiny", max_tokens=200,
+                                       messages=[{"role": "user", "content": "hello"}], tools=[BASH])
+    assert msg.stop_reason == "tool_use"
+    assert [b.type for b in msg.content] == ["text", "tool_use"]
+    assert msg.content[1].name == "bash" and msg.content[1].input["command"].startswith("echo ")
+    calls = stack.recorder.calls("exec-1")
+    assert len(calls) == 1
+    assert calls[0].prompt_tokens == msg.usage.input_tokens + msg.usage.cache_read_input_tokens
+    assert calls[0].completion_tokens == msg.usage.output_tokens
+    assert calls[0].api == "anthropic" and calls[0].policy_version == 0 and calls[0].cell_id == "cell-0"
+    # The recorded logprobs are the engine's, token for token.
+    engine = stack.engines[0]
+    rec = records(stack, "exec-1")[0]
+    expected = [-((sum(engine.prompts[0]) + 7 * k) % 97) / 10.0 for k in range(len(rec.tokens.completion))]
+    assert np.allclose(rec.tokens.logprobs, expected)
+
+
+async def test_streaming_follows_the_standard_event_sequence(stack) -> None:
+    token = stack.registry.register("exec-s")
+    client = stack.anthropic(token)
+    kinds = []
+    async with client.messages.stream(model="tiny", max_tokens=200, tools=[BASH],
+                                      messages=[{"role": "user", "content": "hi"}]) as s:
+        async for event in s:
+            kinds.append(event.type)
+        final = await s.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert "content_block_start" in kinds and "message_delta" in kinds
+    assert final.content[1].type == "tool_use" and final.content[1].input["command"].startswith("echo ")
+    assert final.stop_reason == "tool_use"
+    assert len(stack.recorder.calls("exec-s")) == 1
+
+
+async def test_twenty_tool_rounds_stay_on_one_path(stack) -> None:
+    token = stack.registry.register("exec-20")
+    client = stack.anthropic(token)
+    messages: list[dict] = [{"role": "user", "content": "work on the task"}]
+    system = [{"type": "text", "text": "You are an agent.", "cache_control": {"type": "ephemeral"}}]
+    for turn in range(20):
+        msg = await client.messages.create(model="tiny", max_tokens=300, system=system, tools=[BASH],
+                                           messages=messages)
+        messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in msg.content]})
+        uses = [b for b in msg.content if b.type == "tool_use"]
+        if uses:
+            messages.append({"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": u.id, "content": f"out {turn}",
+                 "cache_control": {"type": "ephemeral"}} for u in uses]})
+        else:
+            messages.append({"role": "user", "content": f"continue {turn}"})
+    calls = stack.recorder.calls("exec-20")
+    assert len(calls) == 20
+    assert [c.branch_hint for c in calls] == [None] + ["continuation"] * 19
+    assert [c.parent_call_index for c in calls] == [None] + list(range(19))
+    assert not [e for e in stack.recorder.events if isinstance(e.data, ExecutionBranched)]
+    # Deltas: each call stores only what is new, and the log rebuilds every full prompt exactly.
+    seqs = ExecutionSequences()
+    for rec in records(stack, "exec-20"):
+        full = seqs.add(rec)
+        assert np.array_equal(full[: rec.prompt_len], stack.engines[0].prompts[rec.call_index])
+    assert sum(c.new_prompt_tokens for c in calls) < sum(c.prompt_tokens for c in calls) / 4
+
+
+async def test_compaction_style_restart_is_recorded_as_a_fork(stack) -> None:
+    token = stack.registry.register("exec-c")
+    client = stack.anthropic(token)
+    first = [{"role": "user", "content": "a long task"}]
+    msg = await client.messages.create(model="tiny", max_tokens=300, messages=first)
+    second = first + [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in msg.content]},
+                      {"role": "user", "content": "keep going"}]
+    await client.messages.create(model="tiny", max_tokens=300, messages=second)
+    await client.messages.create(model="tiny", max_tokens=300,
+                                 messages=[{"role": "user", "content": "Summary: the task is half done."}])
+    calls = stack.recorder.calls("exec-c")
+    assert [c.branch_hint for c in calls] == [None, "continuation", "fork"]
+    branched = [e.data for e in stack.recorder.events if isinstance(e.data, ExecutionBranched)]
+    assert len(branched) == 1 and branched[0].kind == "fork" and branched[0].at_call_index == 2
+
+
+async def test_claude_code_request_shape_is_accepted_and_max_tokens_clamped(stack) -> None:
+    token = stack.registry.register("exec-cc")
+    body = {
+        "model": "claude-sonnet-4-5",
+        "max_tokens": 32000,
+        "system": [{"type": "text", "text": "You are Claude Code."},
+                   {"type": "text", "text": "Env info", "cache_control": {"type": "ephemeral"}}],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "fix the bug", "cache_control": {"type": "ephemeral"}}]},
+            {"role": "system", "content": "<system-reminder>todo list is empty</system-reminder>"},
+        ],
+        "tools": [BASH, {"type": "web_search_20250305", "name": "web_search", "max_uses": 5}],
+        "stream": True,
+        "metadata": {"user_id": "u-1"},
+        "thinking": {"type": "adaptive"},
+        "output_config": {"effort": "high"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+    }
+    async with stack.http() as http:
+        r = await http.post("/v1/messages?beta=true", json=body, headers={
+            "authorization": f"Bearer {token}", "anthropic-version": "2023-06-01",
+            "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14,context-management-2025-06-27",
+            "x-claude-code-session-id": "s-1"})
+    assert r.status_code == 200, r.text
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[0]["type"] == "message_start" and events[-1]["type"] == "message_stop"
+    usage = events[-2]["usage"]
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] == stack.recorder.calls("exec-cc")[0].prompt_tokens
+    # count_tokens agrees with what the call used.
+    async with stack.http() as http:
+        r = await http.post("/v1/messages/count_tokens?beta=true",
+                            json={k: body[k] for k in ("model", "system", "messages", "tools")},
+                            headers={"x-api-key": token})
+    assert r.json()["input_tokens"] == stack.recorder.calls("exec-cc")[0].prompt_tokens
+
+
+async def test_openai_client_gets_tool_calls_and_streams(stack) -> None:
+    token = stack.registry.register("exec-oa")
+    client = stack.openai(token)
+    tools = [{"type": "function", "function": {"name": "bash", "description": "run",
+                                               "parameters": BASH["input_schema"]}}]
+    messages = [{"role": "system", "content": "agent"}, {"role": "user", "content": "list"}]
+    r = await client.chat.completions.create(model="tiny", messages=messages, tools=tools, max_tokens=200)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "bash" and json.loads(call.function.arguments)["command"].startswith("echo ")
+    assert r.usage.prompt_tokens == stack.recorder.calls("exec-oa")[0].prompt_tokens
+    messages += [choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "a.txt"}]
+    chunks = [c async for c in await client.chat.completions.create(
+        model="tiny", messages=messages, tools=tools, stream=True, stream_options={"include_usage": True})]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.startswith("done:")
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage.completion_tokens == stack.recorder.calls("exec-oa")[1].completion_tokens
+    assert [c.branch_hint for c in stack.recorder.calls("exec-oa")] == [None, "continuation"]
+
+
+async def test_bad_requests_raise_sdk_errors_and_record_nothing() -> None:
+    stack = build_stack([ScriptedEngine(CODEC, max_model_len=300)], CODEC, max_body_bytes=20_000)
+    token = stack.registry.register("exec-bad")
+    client = stack.anthropic(token)
+    user = [{"role": "user", "content": "hi"}]
+    with pytest.raises(anthropic.AuthenticationError, match="execution"):
+        await stack.anthropic("gyre-not-a-token").messages.create(model="tiny", max_tokens=10, messages=user)
+    with pytest.raises(anthropic.BadRequestError, match="input_schema"):
+        await client.messages.create(model="tiny", max_tokens=10, messages=user,
+                                     tools=[{"name": "bash", "input_schema": {"type": "string"}}])
+    with pytest.raises(anthropic.BadRequestError, match="prompt is too long"):
+        await client.messages.create(model="tiny", max_tokens=10,
+                                     messages=[{"role": "user", "content": "x" * 400}])
+    with pytest.raises(anthropic.BadRequestError, match="at least one message"):
+        await client.messages.create(model="tiny", max_tokens=10, messages=[])
+    with pytest.raises(anthropic.APIStatusError) as too_large:
+        await client.messages.create(model="tiny", max_tokens=10, messages=[{"role": "user", "content": "y" * 30_000}])
+    assert too_large.value.status_code == 413
+    async with stack.http() as http:
+        r = await http.post("/v1/messages", content=b"{not json", headers={"x-api-key": token})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+        r = await http.post("/v1/messages", json={"model": "tiny", "messages": user}, headers={"x-api-key": token})
+        assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+    oa = stack.openai(token)
+    with pytest.raises(openai.AuthenticationError):
+        await stack.openai("nope").chat.completions.create(model="tiny", messages=user)
+    with pytest.raises(openai.BadRequestError, match="parameters"):
+        await oa.chat.completions.create(model="tiny", messages=user, tools=[
+            {"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}])
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        await oa.chat.completions.create(model="tiny", messages=[])
+    assert stack.recorder.events == [] and stack.engines[0].prompts == []
+
+
+async def test_a_failed_record_fails_the_request() -> None:
+    stack = build_stack([ScriptedEngine(CODEC)], CODEC)
+    token = stack.registry.register("exec-f")
+    stack.recorder.fail_next = ConnectionError("postgres went away")
+    with pytest.raises(anthropic.InternalServerError, match="not returned"):
+        await stack.anthropic(token).messages.create(model="tiny", max_tokens=50,
+                                                     messages=[{"role": "user", "content": "hi"}])
+    assert stack.recorder.events == []
+    # The execution continues normally afterwards, from call index 0.
+    await stack.anthropic(token).messages.create(model="tiny", max_tokens=50,
+                                                 messages=[{"role": "user", "content": "hi"}])
+    assert [c.call_index for c in stack.recorder.calls("exec-f")] == [0]
+
+
+async def test_no_capacity_is_429_with_retry_after() -> None:
+    stack = build_stack([ScriptedEngine(CODEC)], CODEC, capacity=1)
+    user = [{"role": "user", "content": "hi"}]
+    await stack.anthropic(stack.registry.register("exec-a")).messages.create(model="tiny", max_tokens=20,
+                                                                           messages=user)
+    with pytest.raises(anthropic.RateLimitError) as err:
+        await stack.anthropic(stack.registry.register("exec-b")).messages.create(model="tiny", max_tokens=20,
+                                                                               messages=user)
+    assert int(err.value.response.headers["retry-after"]) >= 1
+
+
+async def test_derived_tokens_identify_executions_without_registration(stack) -> None:
+    from services.rollout.credentials import derive_token
+
+    token = derive_token(b"test-secret", "exec-derived")
+    await stack.anthropic(token).messages.create(model="tiny", max_tokens=20,
+                                                 messages=[{"role": "user", "content": "hi"}])
+    assert len(stack.recorder.calls("exec-derived")) == 1
+    with pytest.raises(anthropic.AuthenticationError):
+        await stack.anthropic(derive_token(b"other-secret", "exec-derived")).messages.create(
+            model="tiny", max_tokens=20, messages=[{"role": "user", "content": "hi"}])
+
+
+async def test_internal_registration_api_mints_a_working_token(stack) -> None:
+    async with stack.http() as http:
+        r = await http.post("/internal/executions", json={"execution_id": "exec-reg"})
+        token = r.json()["token"]
+    await stack.anthropic(token).messages.create(model="tiny", max_tokens=20,
+                                                 messages=[{"role": "user", "content": "hi"}])
+    async with stack.http() as http:
+        await http.delete("/internal/executions/exec-reg")
+    with pytest.raises(anthropic.AuthenticationError):
+        await stack.anthropic(token).messages.create(model="tiny", max_tokens=20,
+                                                     messages=[{"role": "user", "content": "hi"}])
