@@ -87,6 +87,7 @@ class Bus:
                     max_reconnect_attempts=-1,
                     reconnect_time_wait=0.25,
                     connect_timeout=2,
+                    drain_timeout=5,
                     allow_reconnect=True,
                 )
                 break
@@ -282,10 +283,20 @@ class JetStreamConsumer:
         self.options = options
 
     async def run(self, handler: Handler, stop: asyncio.Event) -> None:
+        try:
+            await self._loop(handler, stop)
+        finally:
+            if not self.bus.nc.is_closed:
+                try:
+                    await self.sub.unsubscribe()
+                except Exception:  # already gone with the connection
+                    pass
+
+    async def _loop(self, handler: Handler, stop: asyncio.Event) -> None:
         while not stop.is_set():
             try:
                 msgs = await self.sub.fetch(self.options.batch, timeout=self.options.fetch_timeout_s)
-            except nats.errors.TimeoutError:
+            except asyncio.TimeoutError:  # nats raises both its own subclass and the plain one
                 continue
             except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError) as exc:
                 if self.bus.nc.is_closed:

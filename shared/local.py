@@ -90,11 +90,15 @@ class EmbeddedNats:
         _wait_port(self.port, 10, "nats-server")
 
     def stop(self) -> None:
-        pid = self.proc.pid if self.proc else _read_pid(self.dir / "pid")
-        if pid:
+        if self.proc is not None:  # our child: terminate and reap it
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        elif pid := _read_pid(self.dir / "pid"):
             _terminate(pid)
-        if self.proc:
-            self.proc.wait(timeout=10)
         (self.dir / "pid").unlink(missing_ok=True)
 
     def kill(self) -> None:

@@ -110,3 +110,37 @@ class OutboxRelay:
                     await self.waker.wait(self.idle_wait_s)
         finally:
             await self.waker.close()
+
+
+async def run_relay_process() -> None:
+    """`python -m shared.relay` / `gyre relay`: one relay per deployment, resuming from its saved position."""
+    import signal
+
+    from shared.logging import configure_logging
+    from shared.settings import load_settings
+
+    settings = load_settings()
+    configure_logging("relay", run_id=settings.run_id)
+    store = await EventStore.connect(settings.database_url, schema=settings.db_schema)
+    bus = await Bus.connect(
+        settings.nats_url, prefix=settings.subject_prefix, duplicate_window_s=settings.duplicate_window_s, name="relay"
+    )
+    await bus.ensure_streams()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    dsn = settings.database_url
+    if settings.db_schema:
+        dsn += ("&" if "?" in dsn else "?") + f"options=-csearch_path%3D{settings.db_schema}"
+    relay = OutboxRelay(store, bus, dsn=dsn)
+    log.info("relay_started", position=await store.get_position(relay.name))
+    try:
+        await relay.run(stop)
+    finally:
+        await bus.close()
+        await store.close()
+
+
+if __name__ == "__main__":
+    asyncio.run(run_relay_process())

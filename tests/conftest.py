@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -34,8 +36,10 @@ def _urls_configured() -> bool:
 
 
 @pytest.fixture(scope="session")
-def embedded_infra(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Infra]:
-    state = tmp_path_factory.mktemp("gyre-infra")
+def embedded_infra() -> Iterator[Infra]:
+    # Not under pytest's tmp_path: pytest resets its base folder to 0700, which the postgres user
+    # (nobody, when the suite runs as root) could then no longer traverse.
+    state = Path(tempfile.mkdtemp(prefix="gyre-infra-"))
     nats = EmbeddedNats(state)
     pg = EmbeddedPostgres(state)
     nats.start()
@@ -45,6 +49,7 @@ def embedded_infra(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Infra]:
     finally:
         nats.stop()
         pg.stop(mode="immediate")
+        shutil.rmtree(state, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

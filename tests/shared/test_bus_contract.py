@@ -1,0 +1,197 @@
+"""Contract suite for the bus port, run against a real nats-server per backend (embedded and by URL)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from shared.bus import DLQ_DELIVERIES, DLQ_REASON, Bus, ConsumerOptions, ObjectDigestMismatch, PoisonMessage
+from shared.events import Event
+from tests.conftest import drop_bus, make_bus
+from tests.shared.helpers import assigned
+
+FAST = ConsumerOptions(ack_wait_s=1.0, max_deliver=3, backoff_s=(0.1,), batch=50, fetch_timeout_s=0.2)
+
+
+@pytest.fixture
+async def nbus(backend):
+    b = await make_bus(backend.nats_url)
+    yield b
+    await drop_bus(b)
+
+
+async def consume_until(bus: Bus, durable: str, types, handler, done, options=FAST, timeout=15.0):
+    stop = asyncio.Event()
+    consumers = await bus.consumer(durable, types, options)
+    tasks = [asyncio.create_task(c.run(handler, stop)) for c in consumers]
+    try:
+        await asyncio.wait_for(done(), timeout)
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks)
+
+
+async def test_publish_is_deduplicated_by_event_id(nbus: Bus):
+    event = assigned()
+    assert await nbus.publish(event) is True
+    assert await nbus.publish(event) is False
+    assert await nbus.publish_many([event, assigned()]) == 1
+
+
+async def test_durable_consumer_receives_in_order_and_acks(nbus: Bus):
+    events = [assigned("cell-a", v) for v in range(1, 21)]
+    for e in events:
+        await nbus.publish(e)
+    got: list[Event] = []
+
+    async def handler(event, msg):
+        got.append(event)
+
+    async def done():
+        while len(got) < 20:
+            await asyncio.sleep(0.05)
+
+    await consume_until(nbus, "c1", ["cell.assigned"], handler, done)
+    assert got == events
+    # Acked: a new run of the same durable consumer receives nothing more.
+    more: list[Event] = []
+
+    async def handler2(event, msg):
+        more.append(event)
+
+    async def wait_a_bit():
+        await asyncio.sleep(1.5)
+
+    await consume_until(nbus, "c1", ["cell.assigned"], handler2, wait_a_bit)
+    assert more == []
+
+
+async def test_consumer_filters_by_type_across_families(nbus: Bus):
+    await nbus.publish(assigned())
+    from tests.shared.test_events import scored
+
+    await nbus.publish(scored())
+    got: list[str] = []
+
+    async def handler(event, msg):
+        got.append(event.type)
+
+    async def done():
+        while len(got) < 2:
+            await asyncio.sleep(0.05)
+
+    await consume_until(nbus, "multi", ["cell.assigned", "execution.scored"], handler, done)
+    assert sorted(got) == ["cell.assigned", "execution.scored"]
+
+
+async def test_unacked_message_is_redelivered(nbus: Bus):
+    await nbus.publish(assigned())
+    deliveries: list[int] = []
+
+    async def flaky(event, msg):
+        deliveries.append(msg.metadata.num_delivered)
+        if len(deliveries) == 1:
+            raise ConnectionError("transient")
+
+    async def done():
+        while len(deliveries) < 2:
+            await asyncio.sleep(0.05)
+
+    await consume_until(nbus, "flaky", ["cell.assigned"], flaky, done)
+    assert deliveries == [1, 2]
+
+
+async def test_poison_message_is_dead_lettered_after_max_deliver_and_consumer_goes_on(nbus: Bus):
+    bad, good = assigned("cell-bad"), assigned("cell-good")
+    await nbus.publish(bad)
+    await nbus.publish(good)
+    handled: list[str] = []
+
+    async def handler(event, msg):
+        if event.stream_id == "cell-bad":
+            raise ValueError("cannot apply this event")
+        handled.append(event.stream_id)
+
+    async def done():
+        while not (handled and await nbus.read_dead_letters("poison", timeout=0.2)):
+            await asyncio.sleep(0.1)
+
+    await consume_until(nbus, "poison", ["cell.assigned"], handler, done)
+    assert handled == ["cell-good"]
+    letters = await nbus.read_dead_letters("poison")
+    assert len(letters) == 1
+    data, headers = letters[0]
+    assert data == bad.to_json()
+    assert "failed 3 times" in headers[DLQ_REASON] and "cannot apply" in headers[DLQ_REASON]
+    assert headers[DLQ_DELIVERIES] == "3"
+
+
+async def test_handler_can_reject_a_message_as_poison_at_once(nbus: Bus):
+    await nbus.publish(assigned())
+    calls = []
+
+    async def handler(event, msg):
+        calls.append(1)
+        raise PoisonMessage("references a blob that does not exist")
+
+    async def done():
+        while not await nbus.read_dead_letters("reject", timeout=0.2):
+            await asyncio.sleep(0.05)
+
+    await consume_until(nbus, "reject", ["cell.assigned"], handler, done)
+    assert len(calls) == 1
+    (_, headers), = await nbus.read_dead_letters("reject")
+    assert "blob that does not exist" in headers[DLQ_REASON]
+
+
+@pytest.mark.parametrize(
+    "payload, reason",
+    [
+        (b"{not json", "not JSON"),
+        (b'{"type": "cell.exploded", "schema_version": 1}', "unknown event type"),
+        (b'{"type": "cell.assigned", "schema_version": 1, "data": {}}', "invalid event"),
+    ],
+)
+async def test_malformed_payloads_are_dead_lettered_with_a_reason(nbus: Bus, payload: bytes, reason: str):
+    await nbus.publish_raw(nbus.subject("cell.assigned"), payload, msg_id="m1")
+    good = assigned()
+    await nbus.publish(good)
+    handled: list[Event] = []
+
+    async def handler(event, msg):
+        handled.append(event)
+
+    async def done():
+        while not handled:
+            await asyncio.sleep(0.05)
+
+    await consume_until(nbus, "strict", ["cell.assigned"], handler, done)
+    assert handled == [good]
+    letters = await nbus.read_dead_letters("strict")
+    assert [d for d, _ in letters] == [payload]
+    assert reason in letters[0][1][DLQ_REASON]
+
+
+async def test_request_reply(nbus: Bus):
+    async def echo(data: bytes) -> bytes:
+        return data[::-1]
+
+    async def broken(data: bytes) -> bytes:
+        raise RuntimeError("worker fell over")
+
+    sub = await nbus.serve(f"{nbus.prefix}.rpc.echo", echo)
+    sub2 = await nbus.serve(f"{nbus.prefix}.rpc.broken", broken)
+    assert await nbus.request(f"{nbus.prefix}.rpc.echo", b"abc", timeout=5) == b"cba"
+    assert b"worker fell over" in await nbus.request(f"{nbus.prefix}.rpc.broken", b"x", timeout=5)
+    await sub.unsubscribe()
+    await sub2.unsubscribe()
+
+
+async def test_object_store_round_trip_is_digest_checked(nbus: Bus):
+    data = bytes(range(256)) * 20_000  # 5 MB: above the default max message size, chunked by the store
+    digest = await nbus.put_object(data)
+    assert await nbus.get_object(digest) == data
+    await nbus.put_object(b"other", name="named")
+    with pytest.raises(ObjectDigestMismatch):
+        await nbus.get_object("named", expected_digest=digest)

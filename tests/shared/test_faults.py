@@ -1,0 +1,201 @@
+"""Fault tests for the foundation: each asserts that every event takes effect exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from shared.bus import Bus, ConsumerOptions
+from shared.events import Event
+from shared.local import EmbeddedNats
+from shared.relay import OutboxRelay
+from shared.runtime import Service
+from shared.settings import Settings
+from shared.store import EventStore, Transaction
+from tests.conftest import Infra, drop_bus, make_bus, unique
+from tests.shared.helpers import assigned
+
+FAST = ConsumerOptions(ack_wait_s=1.0, max_deliver=20, backoff_s=(0.1,), batch=100, fetch_timeout_s=0.2)
+
+
+class Collector:
+    """A durable consumer that records every delivery (not deduplicated: duplicates must show)."""
+
+    def __init__(self, bus: Bus, durable: str) -> None:
+        self.bus = bus
+        self.durable = durable
+        self.seen: list[str] = []
+        self.stop = asyncio.Event()
+        self.tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        async def handler(event: Event, msg) -> None:
+            self.seen.append(str(event.event_id))
+
+        for c in await self.bus.consumer(self.durable, ["cell.assigned"], FAST):
+            self.tasks.append(asyncio.create_task(c.run(handler, self.stop)))
+
+    async def wait_for(self, n: int, timeout: float = 30.0) -> None:
+        async def until():
+            while len(self.seen) < n:
+                await asyncio.sleep(0.05)
+
+        await asyncio.wait_for(until(), timeout)
+        await asyncio.sleep(0.5)  # room for a duplicate to show up
+
+    async def close(self) -> None:
+        self.stop.set()
+        await asyncio.gather(*self.tasks)
+
+
+async def assert_exactly_once_on_the_bus(bus: Bus, collector: Collector, written: list[Event]) -> None:
+    """Every event reached the consumer, and JetStream holds each exactly once (redelivery after a slow ack
+    is allowed by at-least-once delivery; the stream itself must hold no duplicate)."""
+    assert set(collector.seen) == {str(e.event_id) for e in written}
+    info = await bus.js.stream_info(bus.stream_name("cell"))
+    assert info.state.messages == len(written)
+
+
+def relay_for(store: EventStore, bus: Bus, infra_url: str, **kw) -> OutboxRelay:
+    return OutboxRelay(store, bus, dsn=infra_url, idle_wait_s=0.1, **kw)
+
+
+async def test_relay_crash_after_publish_before_saving_position(store, bus, infra: Infra):
+    events = [assigned(f"cell-{i}", 1) for i in range(50)]
+    await store.append(events)
+
+    async def crash(position: int) -> None:
+        raise SystemExit("relay killed after the publish was acked")
+
+    with pytest.raises(SystemExit):
+        await relay_for(store, bus, infra.database_url, after_publish=crash).run_once()
+    assert await store.get_position("relay") == 0  # nothing recorded: the restart will publish again
+    restarted = relay_for(store, bus, infra.database_url)
+    assert await restarted.run_once() == 50
+    collector = Collector(bus, "after-crash")
+    await collector.start()
+    await collector.wait_for(50)
+    await collector.close()
+    await assert_exactly_once_on_the_bus(bus, collector, events)
+
+
+async def test_relay_killed_between_append_and_publish(store, bus, infra: Infra, repo_root: Path):
+    """A relay process is SIGKILLed mid-stream; a new one picks up from the saved position."""
+    env = {
+        **os.environ,
+        "GYRE_DATABASE_URL": infra.database_url,
+        "GYRE_NATS_URL": infra.nats_url,
+        "GYRE_DB_SCHEMA": store.schema,
+        "GYRE_SUBJECT_PREFIX": bus.prefix,
+    }
+    cmd = [sys.executable, "-m", "shared.relay"]
+    collector = Collector(bus, "kill9")
+    await collector.start()
+    relay = subprocess.Popen(cmd, cwd=repo_root, env=env, stderr=subprocess.DEVNULL)
+    written: list[Event] = []
+    for i in range(20):
+        batch = [assigned(f"cell-k{i}-{j}", 1) for j in range(10)]
+        await store.append(batch)
+        written += batch
+        if i == 10:
+            relay.send_signal(signal.SIGKILL)
+            relay.wait()
+        if i == 14:
+            relay = subprocess.Popen(cmd, cwd=repo_root, env=env, stderr=subprocess.DEVNULL)
+        await asyncio.sleep(0.05)
+    try:
+        await collector.wait_for(len(written))
+    finally:
+        relay.terminate()
+        relay.wait()
+        await collector.close()
+    await assert_exactly_once_on_the_bus(bus, collector, written)
+
+
+async def test_nats_server_killed_and_restarted_mid_stream(store, infra: Infra):
+    """JetStream keeps what it acked on disk; the relay re-publishes what it had not saved. Nothing lost."""
+    state = Path(tempfile.mkdtemp(prefix="gyre-nats-fault-"))
+    nats = EmbeddedNats(state)
+    nats.start()
+    bus = await make_bus(nats.url)
+    stop = asyncio.Event()
+    relay = relay_for(store, bus, infra.database_url)
+    relay_task = asyncio.create_task(relay.run(stop))
+    written: list[Event] = []
+    try:
+        for i in range(30):
+            batch = [assigned(f"cell-n{i}-{j}", 1) for j in range(10)]
+            await store.append(batch)
+            written += batch
+            if i == 10:
+                nats.kill()
+            if i == 15:
+                restarted = EmbeddedNats(state, port=nats.port)
+                restarted.start()
+                nats = restarted
+            await asyncio.sleep(0.05)
+        collector = Collector(bus, "survivor")
+        await collector.start()
+        await collector.wait_for(len(written), timeout=60)
+        await collector.close()
+        await assert_exactly_once_on_the_bus(bus, collector, written)
+    finally:
+        stop.set()
+        await relay_task
+        await drop_bus(bus)
+        nats.stop()
+
+
+class EffectService(Service):
+    """A service whose effect is appending one `cell-effect-*` event per input event."""
+
+    name = "effects"
+    crash_before_ack = False
+
+    async def setup(self) -> None:
+        self.on(["cell.assigned"], self.apply, options=FAST)
+
+    async def apply(self, event: Event, tx: Transaction) -> None:
+        tx.append([assigned(f"cell-effect-{event.event_id}", 1)])
+
+
+async def test_consumer_killed_before_ack_applies_the_effect_once(store, bus, infra: Infra, monkeypatch):
+    settings = Settings(
+        database_url=infra.database_url, nats_url=infra.nats_url, db_schema=store.schema,
+        subject_prefix=bus.prefix, run_id=unique("r"),
+    )
+    inputs = [assigned(f"cell-in{i}", 1) for i in range(5)]
+    for e in inputs:
+        await bus.publish(e)
+
+    # First incarnation: the transaction commits, then the process "dies" before acking.
+    from nats.aio.msg import Msg
+
+    original_ack = Msg.ack_sync
+
+    async def die(self, *a, **k):
+        raise asyncio.CancelledError("killed before ack")
+
+    monkeypatch.setattr(Msg, "ack_sync", die)
+    first = EffectService(settings)
+    await first.start()
+    await asyncio.sleep(1.0)
+    await first.stop()
+    effects_after_crash = [s for s in await store.read_after(0) if s.event.stream_id.startswith("cell-effect-")]
+    assert len(effects_after_crash) >= 1
+
+    # Second incarnation: everything is redelivered; effects already applied are skipped, the rest applied once.
+    monkeypatch.setattr(Msg, "ack_sync", original_ack)
+    second = EffectService(settings)
+    await second.start()
+    await asyncio.sleep(3.0)
+    await second.stop()
+    effects = [s.event.stream_id for s in await store.read_after(0) if s.event.stream_id.startswith("cell-effect-")]
+    assert sorted(effects) == sorted(f"cell-effect-{e.event_id}" for e in inputs)
