@@ -1,0 +1,112 @@
+"""The rollout shell against real servers: workers over NATS request/reply, calls recorded in Postgres."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from services.rollout.protocol import DrainRequest, GenerateRequest, SamplingSpec, TokenPayload
+from services.rollout.recording import CompletedCall, StoreCallRecorder
+from services.rollout.router import Router, WorkerDirectory
+from services.rollout.transport import NatsPeers, NatsWorkerClient, WorkerServer, watch_statuses
+from services.rollout.worker import RolloutWorker
+from shared.calls import CallRecord, CallTokens, ExecutionSequences
+from shared.events import CallCompleted, ExecutionBranched
+from tests.rollout.fakes import CharCodec, ScriptedEngine
+
+CODEC = CharCodec()
+
+
+async def _wait_for(predicate, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.02)
+
+
+async def test_router_reaches_workers_over_nats_with_large_deltas_and_drains(bus) -> None:
+    directory = WorkerDirectory()
+    watcher = await watch_statuses(bus, directory)
+    engines = [ScriptedEngine(CODEC, max_model_len=1 << 20), ScriptedEngine(CODEC, max_model_len=1 << 20)]
+    servers = []
+    for i, engine in enumerate(engines):
+        worker = RolloutWorker(engine, worker_id=f"w{i}", cell_id=f"c{i}", peers=NatsPeers(bus, directory))
+        servers.append(await WorkerServer(worker, bus, heartbeat_s=0.2).start())
+    try:
+        await _wait_for(lambda: len(directory.live()) == 2)
+        client = NatsWorkerClient(bus, inline_limit=4096)
+        router = Router(directory, client)
+        # 300k random ids do not compress below the inline limit: the delta goes through the object store.
+        prompt = np.random.default_rng(0).integers(100, 4000, size=300_000).astype(np.int32)
+        reply = await router.generate(execution_id="e", chain_id="main", prompt=prompt,
+                                      sampling=SamplingSpec(max_tokens=20), request_id="r1")
+        assert reply.status == "ok"
+        home = router.worker_of("e")
+        home_engine = engines[int(home[1])]
+        assert home_engine.prompts[-1] == list(prompt)
+        history = np.concatenate([prompt, reply.completion])
+        drained = await client.drain(home, DrainRequest())
+        assert drained.ok and drained.migrated[0].tokens == len(history)
+        await _wait_for(lambda: directory.get(home).state == "drained")
+        nxt = np.concatenate([history, np.arange(100, 110, dtype=np.int32)])
+        reply2 = await router.generate(execution_id="e", chain_id="main", prompt=nxt,
+                                       sampling=SamplingSpec(max_tokens=20), request_id="r2")
+        assert reply2.status == "ok" and router.worker_of("e") != home
+        other = engines[1 - int(home[1])]
+        assert other.prompts[-1] == list(nxt)
+    finally:
+        for s in servers:
+            await s.stop()
+        await watcher.unsubscribe()
+
+
+async def test_worker_over_nats_answers_resync_for_unknown_sessions(bus) -> None:
+    worker = RolloutWorker(ScriptedEngine(CODEC), worker_id="solo", cell_id="c")
+    server = await WorkerServer(worker, bus).start()
+    try:
+        client = NatsWorkerClient(bus)
+        req = GenerateRequest(request_id="x", execution_id="nobody", base_len=5, base_digest="sha256:" + "0" * 64,
+                              delta=TokenPayload(count=1), sampling=SamplingSpec(max_tokens=5))
+        reply = await client.generate("solo", req, np.array([7], dtype=np.int32))
+        assert reply.status == "resync"
+    finally:
+        await server.stop()
+
+
+def _call(i: int, prompt: np.ndarray, completion: np.ndarray) -> CompletedCall:
+    return CompletedCall(execution_id="exec-pg", call_id=f"c{i}", chain_id="main", new_chain=False, prompt=prompt,
+                         completion=completion, logprobs=-np.arange(len(completion), dtype=np.float32) / 10,
+                         policy_version=2, cell_id="cell-x", finish_reason="stop", api="anthropic", latency_s=0.01)
+
+
+async def test_store_recorder_writes_deltas_that_replay_and_resumes_after_restart(store) -> None:
+    recorder = StoreCallRecorder(store, run_id="run-t")
+    p0 = np.arange(10, 60, dtype=np.int32)
+    c0 = np.arange(500, 510, dtype=np.int32)
+    await recorder.record(_call(0, p0, c0))
+    p1 = np.concatenate([p0, c0, np.arange(70, 80, dtype=np.int32)])
+    await recorder.record(_call(1, p1, np.arange(600, 605, dtype=np.int32)))
+    # A new recorder (a restarted gateway) continues the execution's indices and parents from the store.
+    restarted = StoreCallRecorder(store, run_id="run-t")
+    p2 = np.concatenate([p0[:20], np.arange(900, 910, dtype=np.int32)])
+    await restarted.record(_call(2, p2, np.arange(700, 703, dtype=np.int32)))
+    stored = await store.read_stream("execution-exec-pg")
+    kinds = [s.event.type for s in stored]
+    assert kinds == ["call.completed", "call.completed", "execution.branched", "call.completed"]
+    calls = [s.event.data for s in stored if isinstance(s.event.data, CallCompleted)]
+    assert [c.call_index for c in calls] == [0, 1, 2]
+    assert [c.branch_hint for c in calls] == [None, "continuation", "fork"]
+    assert calls[1].new_prompt_tokens == 10 and calls[2].parent_prefix_len == 20
+    branched = [s.event.data for s in stored if isinstance(s.event.data, ExecutionBranched)]
+    assert branched[0].at_call_index == 2 and branched[0].from_call_index == 1
+    seqs = ExecutionSequences()
+    prompts = [p0, p1, p2]
+    for c in calls:
+        tokens = CallTokens.decode(await store.get_blob(c.record))
+        seq = seqs.add(CallRecord(execution_id=c.execution_id, call_id=c.call_id, call_index=c.call_index,
+                                  parent_call_index=c.parent_call_index, parent_prefix_len=c.parent_prefix_len,
+                                  tokens=tokens, policy_version=c.policy_version))
+        assert np.array_equal(seq[: c.prompt_tokens], prompts[c.call_index])
+        assert np.allclose(tokens.logprobs, -np.arange(len(tokens.completion)) / 10)

@@ -1,0 +1,147 @@
+"""Worker sessions, deltas, weight reload, drain/migration and router placement, over a scripted engine."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from services.rollout.protocol import DrainRequest, GenerateRequest, SamplingSpec, TokenPayload, tokens_digest
+from services.rollout.router import NoCapacity, Router, WorkerDirectory
+from services.rollout.worker import RolloutWorker, kv_prompt
+from shared.events import KvMigrated
+from tests.rollout.fakes import CharCodec, LocalWorkers, ScriptedEngine, build_stack
+
+CODEC = CharCodec()
+USER = [{"role": "user", "content": "hello"}]
+
+
+def request(execution_id: str, base: np.ndarray, delta: np.ndarray, **kw) -> GenerateRequest:
+    return GenerateRequest(
+        request_id="r", execution_id=execution_id, base_len=len(base),
+        base_digest=tokens_digest(base) if len(base) else "", delta=TokenPayload(count=len(delta)),
+        sampling=SamplingSpec(max_tokens=50), **kw)
+
+
+async def test_worker_keeps_history_and_accepts_deltas() -> None:
+    engine = ScriptedEngine(CODEC)
+    worker = RolloutWorker(engine, worker_id="w", cell_id="c")
+    first = np.arange(100, 140, dtype=np.int32)
+    r1 = await worker.generate(request("e", first[:0], first), first)
+    assert r1.status == "ok"
+    history = np.concatenate([first, r1.completion])
+    more = np.arange(200, 210, dtype=np.int32)
+    r2 = await worker.generate(request("e", history, more), more)
+    assert r2.status == "ok"
+    assert engine.prompts[1] == list(np.concatenate([history, more]))
+    # A base the worker does not hold asks the router to resend everything.
+    wrong = history.copy()
+    wrong[3] += 1
+    r3 = await worker.generate(request("e", wrong, more), more)
+    assert r3.status == "resync"
+
+
+async def test_weight_reload_waits_for_in_flight_calls_and_stamps_the_new_version() -> None:
+    stack = build_stack([ScriptedEngine(CODEC)], CODEC)
+    client = stack.anthropic(stack.registry.register("exec-w"))
+    before = await client.messages.create(model="tiny", max_tokens=100, messages=USER)
+    await stack.local.workers["w0"].apply_weights(3, {"version": 3})
+    after = await client.messages.create(model="tiny", max_tokens=100, messages=USER)
+    assert before.content[0].text != after.content[0].text
+    assert [c.policy_version for c in stack.recorder.calls("exec-w")] == [0, 3]
+
+
+async def test_drain_moves_sessions_and_the_next_call_continues_on_the_target() -> None:
+    events: list = []
+
+    async def emit(data):
+        events.extend(data)
+
+    stack = build_stack([ScriptedEngine(CODEC), ScriptedEngine(CODEC)], CODEC, emit=emit)
+    stack.local.workers["w1"].state = "draining"  # force placement on w0 first
+    stack.refresh()
+    client = stack.anthropic(stack.registry.register("exec-m"))
+    msg = await client.messages.create(model="tiny", max_tokens=100, messages=USER)
+    assert stack.core.router.worker_of("exec-m") == "w0"
+    stack.local.workers["w1"].state = "active"
+    stack.refresh()
+    reply = await stack.local.workers["w0"].drain(DrainRequest())
+    assert reply.ok and [m.to_worker for m in reply.migrated] == ["w1"]
+    assert reply.migrated[0].method == "recompute"  # the scripted engine has no KV connector
+    assert [type(e) for e in events] == [KvMigrated] and events[0].to_cell == "cell-1"
+    stack.refresh()
+    follow = USER + [{"role": "assistant", "content": msg.content[0].text}, {"role": "user", "content": "more"}]
+    await client.messages.create(model="tiny", max_tokens=100, messages=follow)
+    assert stack.core.router.worker_of("exec-m") == "w1"
+    calls = stack.recorder.calls("exec-m")
+    assert [c.cell_id for c in calls] == ["cell-0", "cell-1"]
+    assert calls[1].branch_hint == "continuation"
+    # The target got only the delta: its prefill of the adopted history was the one extra prompt.
+    assert len(stack.engines[1].prompts) == 2
+    # New executions avoid the drained worker.
+    await stack.anthropic(stack.registry.register("exec-n")).messages.create(model="tiny", max_tokens=50,
+                                                                           messages=USER)
+    assert stack.core.router.worker_of("exec-n") == "w1"
+
+
+async def test_request_in_flight_during_drain_completes_then_migrates() -> None:
+    gate = asyncio.Event()
+
+    class SlowEngine(ScriptedEngine):
+        async def generate(self, prompt, sampling, request_id):
+            if request_id.startswith("call-"):
+                await gate.wait()
+            return await super().generate(prompt, sampling, request_id)
+
+    stack = build_stack([SlowEngine(CODEC), ScriptedEngine(CODEC)], CODEC)
+    stack.local.workers["w1"].state = "draining"
+    stack.refresh()
+    client = stack.anthropic(stack.registry.register("exec-f"))
+    call = asyncio.create_task(client.messages.create(model="tiny", max_tokens=100, messages=USER))
+    await asyncio.sleep(0.05)
+    stack.local.workers["w1"].state = "active"
+    stack.refresh()
+    drain = asyncio.create_task(stack.local.workers["w0"].drain(DrainRequest()))
+    await asyncio.sleep(0.05)
+    assert not drain.done()  # waits for the in-flight call on the session
+    gate.set()
+    msg = await call
+    reply = await drain
+    assert msg.stop_reason == "end_turn" and reply.ok
+    # The migrated history includes the completion that finished during the drain.
+    assert reply.migrated[0].tokens == stack.recorder.calls("exec-f")[0].prompt_tokens + msg.usage.output_tokens
+
+
+async def test_unreachable_worker_is_routed_around() -> None:
+    stack = build_stack([ScriptedEngine(CODEC), ScriptedEngine(CODEC)], CODEC)
+    client = stack.anthropic(stack.registry.register("exec-u"))
+    await client.messages.create(model="tiny", max_tokens=50, messages=USER)
+    first = stack.core.router.worker_of("exec-u")
+    stack.local.down.add(first)
+    await client.messages.create(model="tiny", max_tokens=50, messages=USER)
+    assert stack.core.router.worker_of("exec-u") != first
+
+
+def test_router_places_least_loaded_and_sticks() -> None:
+    directory = WorkerDirectory(stale_after_s=1e9)
+    workers = LocalWorkers()
+    for wid, cap in (("a", 2), ("b", 4)):
+        w = RolloutWorker(ScriptedEngine(CODEC), worker_id=wid, cell_id=wid, capacity=cap)
+        workers.add(w)
+        directory.update(w.status())
+    router = Router(directory, workers)
+    placed = [router.place(f"e{i}") for i in range(6)]
+    assert sorted(placed) == ["a", "a", "b", "b", "b", "b"]
+    with pytest.raises(NoCapacity):
+        router.place("e6")
+
+
+def test_kv_prompt_length_matches_the_connector_key_rule() -> None:
+    block = 16
+    for n in range(1, 100):
+        p = kv_prompt(np.arange(n), block)
+        if p is None:
+            assert n <= block + 1
+            continue
+        assert (len(p) - 1) % block != 0 and len(p) in (n, n - 1) and (len(p) - 1) // block >= 1
