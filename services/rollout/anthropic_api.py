@@ -28,6 +28,7 @@ class SamplingRequest:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    forced_tools: tuple[str, ...] = ()  # tool_choice any/tool: the reply must call one of these
 
 
 @dataclass(frozen=True)
@@ -237,8 +238,28 @@ def parse_request(body: Any, *, count_only: bool = False) -> ParsedRequest:
         top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
         top_k=top_k,
         stop=tuple(stop),
+        forced_tools=_forced_tools(body.get("tool_choice"), conversation),
     )
     return ParsedRequest(model=model, conversation=conversation, sampling=sampling, stream=bool(body.get("stream")))
+
+
+def _forced_tools(choice: Any, conversation: Conversation) -> tuple[str, ...]:
+    names = tuple(t.name for t in conversation.tools)
+    if choice is None or not isinstance(choice, dict):
+        return ()
+    match choice.get("type"):
+        case "any":
+            if not names:
+                raise invalid("tool_choice: 'any' needs at least one tool")
+            return names
+        case "tool":
+            if choice.get("name") not in names:
+                raise invalid(f"tool_choice.name: expected one of {list(names)}, got {choice.get('name')!r}")
+            return (choice["name"],)
+        case "auto" | "none" | None:
+            return ()
+        case other:
+            raise invalid(f"tool_choice.type: expected 'auto', 'any', 'tool' or 'none', got {other!r}")
 
 
 # ---- responses ----

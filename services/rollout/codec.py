@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from typing import Any
 
-from services.rollout.conversation import ChatMessage, Conversation, ToolCall
+from services.rollout.conversation import ChatMessage, Conversation, ToolCall, ToolSpec
 from shared.tinymodel import chat_template, parse_tool_calls
 
 
@@ -57,3 +59,41 @@ def reply_message(text: str) -> ChatMessage:
         content = "\n".join([content, *parsed.malformed]).strip()
     calls = tuple(ToolCall(name=c.name, arguments=dict(c.arguments)) for c in parsed.tool_calls)
     return ChatMessage(role="assistant", content=content, tool_calls=calls)
+
+
+def tool_call_regex(tools: tuple[ToolSpec, ...], names: tuple[str, ...]) -> str:
+    """A regex for one `<tool_call>` block calling one of `names` (guided decoding for tool_choice any/tool).
+
+    Arguments cover the schema's required scalar properties (all scalar ones when none are required), with
+    short safe values; that is enough for a small model to produce a well-formed call.
+    """
+    alternatives = []
+    for tool in tools:
+        if tool.name not in names:
+            continue
+        props = tool.parameters.get("properties") or {}
+        required = [k for k in tool.parameters.get("required") or [] if k in props]
+        keys = required or list(props)
+        fields = []
+        for key in keys:
+            kind = (props.get(key) or {}).get("type", "string")
+            value = _VALUE_PATTERNS.get(kind if isinstance(kind, str) else "string")
+            if value is None:
+                if key in required:
+                    value = _VALUE_PATTERNS["string"]
+                else:
+                    continue
+            fields.append(re.escape(json.dumps(key)) + ": " + value)
+        args = r"\{" + ", ".join(fields) + r"\}"
+        alternatives.append(r'\{"name": ' + re.escape(json.dumps(tool.name)) + r', "arguments": ' + args + r"\}")
+    if not alternatives:
+        raise ValueError(f"no tool named any of {list(names)}")
+    return "<tool_call>\n(" + "|".join(alternatives) + ")\n</tool_call>"
+
+
+_VALUE_PATTERNS = {
+    "string": r'"[a-zA-Z0-9 ._/-]{1,32}"',
+    "integer": r"-?[0-9]{1,6}",
+    "number": r"-?[0-9]{1,6}",
+    "boolean": r"(true|false)",
+}

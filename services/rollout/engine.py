@@ -119,8 +119,10 @@ class VllmEngine:
 
     async def generate(self, prompt: list[int], sampling: SamplingSpec, request_id: str) -> EngineOutput:
         from vllm import SamplingParams
+        from vllm.sampling_params import StructuredOutputsParams
 
         params = SamplingParams(
+            structured_outputs=StructuredOutputsParams(regex=sampling.regex) if sampling.regex else None,
             max_tokens=sampling.max_tokens,
             temperature=sampling.temperature,
             top_p=sampling.top_p,

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from services.rollout import anthropic_api, openai_api
 from services.rollout.anthropic_api import Completion, ParsedRequest
-from services.rollout.codec import TokenizerCodec, reply_message
+from services.rollout.codec import TokenizerCodec, reply_message, tool_call_regex
 from services.rollout.credentials import ExecutionRegistry
 from services.rollout.errors import ApiError, invalid
 from services.rollout.protocol import SamplingSpec
@@ -93,6 +93,11 @@ class GatewayCore:
                 top_k=parsed.sampling.top_k,
                 seed=parsed.sampling.seed,
                 stop=parsed.sampling.stop,
+                regex=(
+                    tool_call_regex(parsed.conversation.tools, parsed.sampling.forced_tools)
+                    if parsed.sampling.forced_tools
+                    else None
+                ),
             )
             call_id = uuid.uuid4().hex
             try:

@@ -140,8 +140,24 @@ def parse_request(body: Any) -> ParsedRequest:
         top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
         seed=seed,
         stop=tuple(stop),
+        forced_tools=_forced_tools(body.get("tool_choice"), conversation),
     )
     return ParsedRequest(model=model, conversation=conversation, sampling=sampling, stream=bool(body.get("stream")))
+
+
+def _forced_tools(choice: Any, conversation: Conversation) -> tuple[str, ...]:
+    names = tuple(t.name for t in conversation.tools)
+    if choice == "required":
+        if not names:
+            raise invalid("tool_choice: 'required' needs at least one tool", param="tool_choice")
+        return names
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name")
+        if name not in names:
+            raise invalid(f"tool_choice.function.name: expected one of {list(names)}, got {name!r}",
+                          param="tool_choice")
+        return (name,)
+    return ()
 
 
 def wants_usage_chunk(body: dict[str, Any]) -> bool:

@@ -63,6 +63,7 @@ class SamplingSpec(_Frozen):
     top_k: int = 0  # 0: off
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    regex: str | None = None  # guided decoding (forced tool calls)
 
 
 class GenerateRequest(_Frozen):

@@ -1,0 +1,196 @@
+"""Process entry points of the rollout service: a worker process per rollout cell, and the gateway process.
+
+`main(["worker"])` / `main(["gateway"])` (what `python -m services.rollout` calls); settings come from
+`GYRE_…` (shared) and `GYRE_ROLLOUT_…` (below).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from services.rollout.router import Router, WorkerDirectory
+from shared.events import CellDraining, Event, EventData, WeightsPublished, stream_id_for
+from shared.logging import configure_logging
+from shared.runtime import Service
+from shared.settings import Settings, load_settings
+from shared.store import Transaction
+
+
+class RolloutSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="GYRE_ROLLOUT_", extra="ignore", frozen=True)
+
+    # worker
+    worker_id: str = ""  # default: the cell id
+    cell_id: str = "cell-0"
+    capacity: int = 64  # live sessions this worker accepts
+    max_model_len: int = 8192
+    dtype: str = "float32"
+    kv_storage: Path | None = None  # shared folder for KV migration; unset: migrate by recompute
+    heartbeat_s: float = 1.0
+    # gateway
+    host: str = "127.0.0.1"
+    port: int = 8400
+    uds: str | None = None  # also serve on this Unix socket (sandboxes reach the gateway through it)
+    model_name: str = "gyre-tiny"
+    token_secret: str = ""  # enables derived execution tokens (services.rollout.credentials.derive_token)
+    admin_token: str | None = None  # protects /internal/executions
+    max_body_bytes: int = 32 * 1024 * 1024
+
+
+class RolloutWorkerService(Service):
+    name = "rollout-worker"
+
+    def __init__(self, settings: Settings | None = None, rollout: RolloutSettings | None = None) -> None:
+        super().__init__(settings)
+        self.rollout = rollout or RolloutSettings()
+        self.worker: Any = None
+        self.server: Any = None
+        self.engine: Any = None
+        self._watch: Any = None
+
+    async def setup(self) -> None:
+        from services.rollout.engine import VllmConfig, VllmEngine, prepare_cpu_environment
+        from services.rollout.transport import NatsPeers, WorkerServer, watch_statuses
+        from services.rollout.worker import RolloutWorker
+
+        assert self.bus is not None and self.store is not None
+        if self.settings.model_dir is None:
+            raise RuntimeError("GYRE_MODEL_DIR must name the model the worker serves")
+        r = self.rollout
+        prepare_cpu_environment(Path(self.settings.state_dir) / "vllm")
+        self.engine = VllmEngine.start(
+            VllmConfig(model=self.settings.model_dir, max_model_len=r.max_model_len, dtype=r.dtype,
+                       kv_storage=r.kv_storage)
+        )
+        directory = WorkerDirectory()
+        self._watch = await watch_statuses(self.bus, directory)
+        cell = r.cell_id
+        self.worker = RolloutWorker(
+            self.engine,
+            worker_id=r.worker_id or cell,
+            cell_id=cell,
+            capacity=r.capacity,
+            emit=self._emit_data,
+            peers=NatsPeers(self.bus, directory),
+        )
+        latest = await self.store.read_all(types=["weights.published"])
+        if latest:
+            await self._load(latest[-1].event)
+        self.server = await WorkerServer(self.worker, self.bus, heartbeat_s=r.heartbeat_s).start()
+        # Every worker must see every publication: one durable consumer per worker.
+        self.on(["weights.published", "cell.draining"], self.handle, durable=f"rollout-worker-{self.worker.worker_id}")
+
+    async def _emit_data(self, data: list[EventData] | Any) -> None:
+        await self.emit([self.event(d, stream_id=stream_id_for("cell", self.worker.cell_id)) for d in data])
+
+    async def _load(self, event: Event) -> None:
+        from safetensors.torch import load as load_safetensors
+
+        assert isinstance(event.data, WeightsPublished) and self.store is not None and self.bus is not None
+        ref = event.data.weights
+        blob = await (self.store.get_blob(ref) if ref.store == "pg" else self.bus.get_object(ref.digest))
+        await self.worker.apply_weights(event.data.version, load_safetensors(blob))
+
+    async def handle(self, event: Event, tx: Transaction) -> None:
+        if isinstance(event.data, WeightsPublished):
+            await self._load(event)
+        elif isinstance(event.data, CellDraining) and event.data.cell_id == self.worker.cell_id:
+            from services.rollout.protocol import DrainRequest
+
+            self.spawn(self.worker.drain(DrainRequest()), name="drain")
+
+    def health(self) -> dict[str, Any]:
+        return {} if self.worker is None else {"worker": self.worker.status().model_dump()}
+
+    async def teardown(self) -> None:
+        if self.server is not None:
+            await self.server.stop()
+        if self._watch is not None:
+            await self._watch.unsubscribe()
+        if self.engine is not None:
+            await self.engine.close()
+
+
+class RolloutGatewayService(Service):
+    name = "rollout-gateway"
+
+    def __init__(self, settings: Settings | None = None, rollout: RolloutSettings | None = None) -> None:
+        super().__init__(settings)
+        self.rollout = rollout or RolloutSettings()
+        self.core: Any = None
+        self._servers: list[Any] = []
+        self._watch: Any = None
+
+    async def setup(self) -> None:
+        import uvicorn
+
+        from services.rollout.codec import TokenizerCodec
+        from services.rollout.credentials import ExecutionRegistry
+        from services.rollout.gateway import GatewayCore, create_app
+        from services.rollout.recording import StoreCallRecorder
+        from services.rollout.transport import NatsWorkerClient, watch_statuses
+
+        assert self.bus is not None and self.store is not None
+        if self.settings.model_dir is None:
+            raise RuntimeError("GYRE_MODEL_DIR must name the served model (its tokenizer and chat template)")
+        r = self.rollout
+        directory = WorkerDirectory()
+        self._watch = await watch_statuses(self.bus, directory)
+        self.registry = ExecutionRegistry(secret=r.token_secret.encode() or None)
+        self.core = GatewayCore(
+            codec=TokenizerCodec.from_model_dir(self.settings.model_dir),
+            router=Router(directory, NatsWorkerClient(self.bus)),
+            recorder=StoreCallRecorder(self.store, run_id=self.settings.run_id),
+            max_model_len=r.max_model_len,
+            model_name=r.model_name,
+        )
+        app = create_app(self.core, self.registry, max_body_bytes=r.max_body_bytes, admin_token=r.admin_token)
+        configs = [uvicorn.Config(app, host=r.host, port=r.port, log_level="warning", lifespan="off")]
+        if r.uds:
+            configs.append(uvicorn.Config(app, uds=r.uds, log_level="warning", lifespan="off"))
+        for config in configs:
+            server = uvicorn.Server(config)
+            server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # the Service owns signals
+            self._servers.append(server)
+            self.spawn(server.serve(), name="http")
+        self.on(["execution.finished", "execution.timed_out"], self.handle)
+
+    async def handle(self, event: Event, tx: Transaction) -> None:
+        execution_id = getattr(event.data, "execution_id", None)
+        if execution_id is None:
+            return
+        worker = self.core.router.worker_of(execution_id)
+        self.registry.revoke(execution_id)
+        self.core.end_execution(execution_id)
+        if worker is not None:
+            from services.rollout.transport import NatsWorkerClient
+
+            try:
+                await NatsWorkerClient(self.bus).end_sessions(worker, execution_id)
+            except Exception:  # the worker may be gone; its sessions went with it
+                self.log.warning("end_sessions_failed", execution_id=execution_id, worker_id=worker)
+
+    async def teardown(self) -> None:
+        for server in self._servers:
+            server.should_exit = True
+        if self._watch is not None:
+            await self._watch.unsubscribe()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m services.rollout worker|gateway`."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    role = args[0] if args else os.environ.get("GYRE_ROLLOUT_ROLE", "gateway")
+    services = {"worker": RolloutWorkerService, "gateway": RolloutGatewayService}
+    if role not in services:
+        raise SystemExit(f"expected a role of {sorted(services)}, got {role!r}")
+    settings = load_settings()
+    cls = services[role]
+    configure_logging(cls.name, run_id=settings.run_id)
+    asyncio.run(cls(settings).run())
