@@ -15,18 +15,21 @@ Chat format (shared/chat_template.jinja; the gateway renders with it and parses 
   <|im_start|>system\n{system text}<|im_end|>\n                   -- only when a system message or tools exist
   With tools the system turn is:
   <|im_start|>system\n{system text}\n\n# Tools\n\n...<tools>\n{tool json}\n...\n</tools>\n\n...<|im_end|>\n
-      (each tool on its own line as compact-ish `tojson` of the OpenAI `function` object, or of the tool itself)
+      (one tool per line: `tojson` (json.dumps, ", "/": " separators, key order kept) of an OpenAI tool's
+      `function` object, or of the tool itself for other shapes such as Anthropic's name/input_schema)
   <|im_start|>user\n{text}<|im_end|>\n
   <|im_start|>assistant\n{text}<tool_call>\n{"name": NAME, "arguments": ARGS}\n</tool_call><|im_end|>\n
       (several calls: each `<tool_call>` block after the previous one, separated by "\n"; when the text is
       non-empty the first block is preceded by "\n"; ARGS is a JSON object, or a given JSON string verbatim)
   Consecutive `tool` messages form ONE user turn:
   <|im_start|>user\n<tool_response>\n{result}\n</tool_response>\n<tool_response>\n...\n</tool_response><|im_end|>\n
+  Any other role (e.g. a later `system` message) renders as <|im_start|>{role}\n{text}<|im_end|>\n.
   add_generation_prompt appends `<|im_start|>assistant\n`.
   Content may be a string or a list of parts ({"text": ...} or strings); parts are concatenated.
 A generation ends with `<|im_end|>` (the EOS). `<tool_call>`, `</tool_call>`, `<tool_response>`,
 `</tool_response>`, `<think>`, `</think>` are single non-special tokens, so they survive
-`skip_special_tokens=True` decoding; `parse_tool_calls` extracts the calls from decoded text.
+`skip_special_tokens=True` decoding; `parse_tool_calls` extracts the calls from decoded text (the
+format is Hermes/Qwen's, so vLLM's `hermes` tool parser reads it too).
 """
 
 from __future__ import annotations
@@ -563,13 +566,16 @@ def _json_bytes(obj: Any) -> bytes:
 def create_tiny_model(out_dir: Path, *, seed: int, size: Size = "tiny", overwrite: bool = False) -> Path:
     """Write a tiny Qwen3 model directory (see the module docstring) and return its path.
 
-    Raises ModelDirError when `out_dir` exists and is not empty, unless `overwrite` is set.
+    Raises ModelDirError when `out_dir` is a file, or exists and is not empty unless `overwrite` is set
+    (which replaces the model's files and leaves any others alone).
     """
     from safetensors.numpy import save
 
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ModelDirError(f"expected a directory for the new model, {out_dir} is a file")
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise ModelDirError(f"expected an empty or missing directory for the new model, {out_dir} has files")
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -106,6 +106,12 @@ def test_refuses_to_write_into_a_non_empty_directory_unless_overwriting(tiny_dir
     assert written == _digests(tiny_dir)
 
 
+def test_refuses_a_path_that_is_a_file(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ModelDirError, match="is a file"):
+        create_tiny_model(tmp_path / "file", seed=1)
+
+
 @pytest.mark.parametrize("seed", [-1, 1.5, True, "3"])
 def test_rejects_seeds_that_are_not_non_negative_integers(seed: Any, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="seed"):
@@ -202,10 +208,19 @@ def test_chat_template_renders_the_documented_tool_call_format(tokenizer: Any) -
     )
 
 
-def test_chat_template_without_tools_or_system_renders_plain_chatml(tokenizer: Any) -> None:
-    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+def test_chat_template_without_tools_renders_plain_chatml(tokenizer: Any) -> None:
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "system", "content": "a reminder"},
+    ]
     assert tokenizer.apply_chat_template(messages, tokenize=False) == (
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>\n"
+        "<|im_start|>system\na reminder<|im_end|>\n"
+    )
+    with_system = [{"role": "system", "content": "be brief"}, *messages[:1]]
+    assert tokenizer.apply_chat_template(with_system, tokenize=False, add_generation_prompt=True) == (
+        "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     )
 
 
