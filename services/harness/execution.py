@@ -1,0 +1,162 @@
+"""One execution end to end: sandbox + workspace, the harness (built-in loop or external command), grading.
+
+The service shell calls `run_execution` (in a thread) and turns the observer's callbacks and the result
+into events: branched while it runs, finished or timed_out when the agent stops, scored after grading.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict
+
+from services.harness.agent import AgentConfig, AgentLoop, AgentOutcome, Budget
+from services.harness.agent_core import Branch
+from services.harness.external import ExternalHarness, ExternalOutcome, GatewayAccess, run_external
+from services.harness.grading import GradeResult
+from services.harness.sandbox import ProcessSandbox, SandboxSpec, make_sandbox
+from services.harness.taskrun import prepare, run_tests, sandbox_spec_for
+from services.harness.tasks import Task
+
+
+class BuiltinHarness(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    name: Literal["builtin"] = "builtin"
+    agent: AgentConfig
+
+
+Harness = BuiltinHarness | ExternalHarness
+StopStatus = Literal["finished", "timed_out", "error"]
+TimeoutBudget = Literal["wall_clock", "calls", "tokens", "crash"]
+
+
+class AgentStopped(BaseModel):
+    """What the agent phase ended with, reported before grading starts."""
+
+    model_config = ConfigDict(frozen=True)
+
+    status: StopStatus
+    stop_reason: str
+    budget: TimeoutBudget | None = None
+    elapsed_s: float
+    calls: int
+
+
+class ExecutionObserver(Protocol):
+    def branched(self, branch: Branch) -> None: ...
+
+    def agent_stopped(self, stopped: AgentStopped) -> None: ...
+
+
+class NullObserver:
+    def branched(self, branch: Branch) -> None:
+        return None
+
+    def agent_stopped(self, stopped: AgentStopped) -> None:
+        return None
+
+
+class ExecutionResult(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    execution_id: str
+    stopped: AgentStopped
+    grade: GradeResult
+    state_dir: Path
+    agent: AgentOutcome | None = None
+    external: ExternalOutcome | None = None
+
+
+def _spec(task: Task, harness: Harness, base: SandboxSpec | None) -> SandboxSpec:
+    spec = sandbox_spec_for(task, base)
+    if isinstance(harness, ExternalHarness):
+        update: dict[str, object] = {"ro_paths": (*spec.ro_paths, *harness.ro_paths)}
+        if harness.limits is not None:
+            update["limits"] = harness.limits
+        spec = spec.model_copy(update=update)
+    return spec
+
+
+def run_execution(
+    *,
+    execution_id: str,
+    task: Task,
+    harness: Harness,
+    gateway: GatewayAccess,
+    state_dir: Path,
+    budget: Budget | None = None,
+    backend: str = "auto",
+    spec: SandboxSpec | None = None,
+    observer: ExecutionObserver | None = None,
+) -> ExecutionResult:
+    """Run one execution; on a spent budget the agent stops and the work it left is graded all the same."""
+    observer = observer or NullObserver()
+    wall = task.config.max_agent_timeout_sec
+    if budget is not None and budget.wall_clock_s is not None:
+        wall = min(wall, budget.wall_clock_s)
+    budget = Budget(wall_clock_s=wall, max_calls=budget.max_calls if budget else None)
+    external = isinstance(harness, ExternalHarness)
+    sandbox = make_sandbox(state_dir, _spec(task, harness, spec), backend=backend, gateway_url=gateway.base_url if external else None)
+    try:
+        prepare(task, sandbox)
+        agent_outcome: AgentOutcome | None = None
+        external_outcome: ExternalOutcome | None = None
+        if isinstance(harness, ExternalHarness):
+            external_outcome = run_external(harness, sandbox, gateway, task.instruction, timeout_s=wall)
+            stopped = _external_stopped(external_outcome)
+        else:
+            loop = AgentLoop.for_gateway(gateway.base_url, gateway.token, harness.agent.model_copy(update={"model": gateway.model}), sandbox, sink=observer)
+            agent_outcome = loop.run(task.instruction, budget)
+            stopped = _agent_stopped(agent_outcome)
+        observer.agent_stopped(stopped)
+        graded, _ = run_tests(task, sandbox)
+        return ExecutionResult(
+            execution_id=execution_id,
+            stopped=stopped,
+            grade=graded,
+            state_dir=sandbox.state_dir,
+            agent=agent_outcome,
+            external=external_outcome,
+        )
+    finally:
+        # The state folder stays: it is the preserved work, and the crash path re-grades it.
+        sandbox.close()
+
+
+def _agent_stopped(outcome: AgentOutcome) -> AgentStopped:
+    match outcome.status:
+        case "timed_out":
+            return AgentStopped(status="timed_out", stop_reason=outcome.error or "timed out", budget="wall_clock", elapsed_s=outcome.elapsed_s, calls=outcome.calls)
+        case "calls_exhausted":
+            return AgentStopped(status="timed_out", stop_reason=outcome.error or "call budget spent", budget="calls", elapsed_s=outcome.elapsed_s, calls=outcome.calls)
+        case "error":
+            return AgentStopped(status="error", stop_reason=outcome.error or "error", elapsed_s=outcome.elapsed_s, calls=outcome.calls)
+        case "submitted" | "ended":
+            return AgentStopped(status="finished", stop_reason=outcome.status, elapsed_s=outcome.elapsed_s, calls=outcome.calls)
+        case other:
+            raise ValueError(f"unknown agent status {other!r}")
+
+
+def _external_stopped(outcome: ExternalOutcome) -> AgentStopped:
+    if outcome.timed_out:
+        return AgentStopped(status="timed_out", stop_reason="wall-clock budget spent", budget="wall_clock", elapsed_s=outcome.elapsed_s, calls=0)
+    reason = "exit 0" if outcome.exit_code == 0 else f"exit {outcome.exit_code}"
+    # A harness that exits non-zero still ends normally from the execution's view; its work is graded.
+    return AgentStopped(status="finished", stop_reason=reason, elapsed_s=outcome.elapsed_s, calls=0)
+
+
+def grade_preserved(task: Task, state_dir: Path, *, backend: str = "auto", spec: SandboxSpec | None = None) -> GradeResult:
+    """Re-attach to an execution's state folder (e.g. after a crash) and grade the work it holds."""
+    if not (Path(state_dir) / "work").is_dir():
+        raise FileNotFoundError(f"{state_dir}: expected a sandbox state folder with work/, found none")
+    sandbox: ProcessSandbox = make_sandbox(state_dir, sandbox_spec_for(task, spec), backend=backend)
+    try:
+        graded, _ = run_tests(task, sandbox)
+        return graded
+    finally:
+        sandbox.close()
+
+

@@ -1,0 +1,127 @@
+"""A scripted server speaking the Anthropic Messages API, for deterministic harness tests.
+
+Replies come from a script (one per request, in order); every request is recorded with its headers.
+It listens on 127.0.0.1 (an ephemeral port) with uvicorn in a background thread.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+Reply = dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def text(value: str, *, stop_reason: str = "end_turn", **usage: int) -> dict[str, Any]:
+    return {"content": [{"type": "text", "text": value}], "stop_reason": stop_reason, **({"usage": usage} if usage else {})}
+
+
+def tool(name: str, tool_input: dict[str, Any], *, text_before: str = "", **usage: int) -> dict[str, Any]:
+    content: list[dict[str, Any]] = [{"type": "text", "text": text_before}] if text_before else []
+    content.append({"type": "tool_use", "id": f"toolu_{name}_{abs(hash(json.dumps(tool_input, sort_keys=True))) % 10**8}", "name": name, "input": tool_input})
+    return {"content": content, "stop_reason": "tool_use", **({"usage": usage} if usage else {})}
+
+
+def shell(command: str, **usage: int) -> dict[str, Any]:
+    return tool("shell", {"command": command}, **usage)
+
+
+def submit(answer: str = "done", **usage: int) -> dict[str, Any]:
+    return tool("submit", {"answer": answer}, **usage)
+
+
+class ScriptedAnthropicServer:
+    """Serves scripted replies on POST /v1/messages; `requests` holds what each call sent."""
+
+    def __init__(self, script: list[Reply], *, token: str | None = None, model: str = "scripted-model") -> None:
+        self.script = list(script)
+        self.token = token
+        self.model = model
+        self.requests: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []
+        self._lock = threading.Lock()
+        self.app = self._build_app()
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self.port = 0
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.post("/v1/messages")
+        async def messages(request: Request) -> JSONResponse:
+            headers = {k.lower(): v for k, v in request.headers.items()}
+            if self.token is not None:
+                bearer = headers.get("authorization", "").removeprefix("Bearer ").strip()
+                if self.token not in (bearer, headers.get("x-api-key")):
+                    return JSONResponse(
+                        {"type": "error", "error": {"type": "authentication_error", "message": "unknown execution token"}},
+                        status_code=401,
+                    )
+            body = await request.json()
+            with self._lock:
+                self.requests.append(body)
+                self.headers.append(headers)
+                if not self.script:
+                    return JSONResponse(
+                        {"type": "error", "error": {"type": "invalid_request_error", "message": "script exhausted"}},
+                        status_code=400,
+                    )
+                step = self.script.pop(0)
+            reply = step(body) if callable(step) else step
+            if "delay_s" in reply:
+                time.sleep(float(reply["delay_s"]))
+            prompt_chars = len(json.dumps(body.get("messages", []))) + len(json.dumps(body.get("system", "")))
+            out_chars = len(json.dumps(reply["content"]))
+            usage = {"input_tokens": prompt_chars // 4, "output_tokens": max(1, out_chars // 4)}
+            usage.update(reply.get("usage", {}))
+            return JSONResponse(
+                {
+                    "id": f"msg_{len(self.requests):04d}",
+                    "type": "message",
+                    "role": "assistant",
+                    "model": body.get("model", self.model),
+                    "content": reply["content"],
+                    "stop_reason": reply.get("stop_reason", "end_turn"),
+                    "stop_sequence": None,
+                    "usage": usage,
+                }
+            )
+
+        return app
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> ScriptedAnthropicServer:
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not (self._server.started and self._server.servers):
+            if time.monotonic() > deadline:
+                raise RuntimeError("scripted server did not start within 30 s")
+            time.sleep(0.01)
+        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(10)
+
+    def __enter__(self) -> ScriptedAnthropicServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
