@@ -15,7 +15,7 @@ from services.trainer.packed_forward import (
     to_tensors,
     tree_attention_plan,
 )
-from trainer_trees import Step, Trajectory, flat_logprobs, pack, random_trajectories, tiny_model
+from tests.trainer.trainer_trees import Step, Trajectory, flat_logprobs, pack, random_trajectories, tiny_model
 
 TOL = 1e-5
 

@@ -168,3 +168,51 @@ def flat_logprobs(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
     model.config._attn_implementation = "sdpa"
     logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
     return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+
+
+def pack_groups(trajs: list[Trajectory], groups: list[list[int]]) -> list[MicroBatch]:
+    """Pack groups of trajectories into separate micro-batches; a target already trained by an earlier
+    micro-batch stays as context in later ones (so an execution spans micro-batches, each target once)."""
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    out = []
+    for group in groups:
+        sub = [trajs[i] for i in group]
+        mb, positions = pack(sub)
+        key_of: dict[int, tuple[int, tuple[int, ...]]] = {}
+        for tr, path in zip(sub, positions, strict=True):
+            toks = tuple(s.token for s in tr.steps)
+            for i, p in enumerate(path):
+                key_of.setdefault(p, (tr.execution, toks[: i + 1]))
+        keep = []
+        for j, p in enumerate(mb.target_pos):
+            key = key_of[int(p)]
+            if key not in seen:
+                seen.add(key)
+                keep.append(j)
+        k = np.array(keep, dtype=np.int64)
+        out.append(
+            MicroBatch(
+                input_ids=mb.input_ids,
+                position_ids=mb.position_ids,
+                subtree_end=mb.subtree_end,
+                target_pos=mb.target_pos[k],
+                pred_pos=mb.pred_pos[k],
+                behaviour_logprob=mb.behaviour_logprob[k],
+                policy_version=mb.policy_version[k],
+                target_exec=mb.target_exec[k],
+            )
+        )
+    return out
+
+
+def make_batch(seed: int, step: int, *, executions: int = 4, branches: int = 4, vocab: int = 97) -> TrainingBatch:
+    """A deterministic batch whose executions span several micro-batches of uneven size."""
+    rng = np.random.default_rng([seed, step])
+    trajs = random_trajectories(rng, executions=executions, branches=branches, vocab=vocab)
+    groups: list[list[int]] = [[], [], [], [], []]
+    for i in range(len(trajs)):
+        groups[int(rng.integers(len(groups)))].append(i)
+    groups = [g for g in groups if g]
+    mbs = pack_groups(trajs, groups)
+    adv = rng.standard_normal(executions).round(3).tolist()
+    return training_batch(mbs, adv, step=step)

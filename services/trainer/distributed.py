@@ -1,0 +1,262 @@
+"""Process groups, FSDP2 sharding, micro-batch balancing and distributed checkpoints for the trainer ranks.
+
+One rank per train cell: gloo on CPU, NCCL on GPU. Re-forming with another world size goes through a
+torch.distributed.checkpoint directory, which DCP reshards on load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+Precision = Literal["auto", "fp32", "bf16"]
+CHECKPOINT_PREFIX = "step-"
+STATE_FILE = "trainer_state.json"
+
+
+class DistributedError(Exception):
+    pass
+
+
+class CheckpointError(DistributedError):
+    pass
+
+
+# ------------------------------------------------------------------------------------------------
+# Process group
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """Where a rank finds its peers: a TCP rendezvous (MASTER_ADDR/PORT), this rank and the world size."""
+
+    rank: int
+    world_size: int
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    backend: str | None = None  # None: nccl when CUDA is available, else gloo
+    timeout_s: float = 600.0
+
+    @classmethod
+    def from_env(cls) -> GroupSpec:
+        return cls(
+            rank=int(os.environ.get("RANK", "0")),
+            world_size=int(os.environ.get("WORLD_SIZE", "1")),
+            master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(os.environ.get("MASTER_PORT", "29500")),
+        )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def init_group(spec: GroupSpec) -> DeviceMesh:
+    """Join (or re-join after `leave_group`) the trainer's process group; returns a 1-D mesh over it."""
+    if dist.is_initialized():
+        raise DistributedError("a process group is already initialised in this process; call leave_group first")
+    device = default_device()
+    backend = spec.backend or ("nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{spec.master_addr}:{spec.master_port}",
+        rank=spec.rank,
+        world_size=spec.world_size,
+        timeout=timedelta(seconds=spec.timeout_s),
+    )
+    return init_device_mesh(device.type, (spec.world_size,), mesh_dim_names=("fsdp",))
+
+
+def leave_group() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------------
+# Sharding
+
+
+def mixed_precision_policy(precision: Precision, device: torch.device) -> MixedPrecisionPolicy | None:
+    match precision:
+        case "fp32":
+            return None
+        case "bf16":
+            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        case "auto":
+            # bf16 compute with fp32 master weights and fp32 gradient reduction where the hardware has fast
+            # bf16; CPU stays fp32 (bf16 matmuls there are emulated and slower, and tests want exactness).
+            if device.type == "cuda" and torch.cuda.is_bf16_supported():
+                return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            return None
+        case _:
+            raise ValueError(f"precision must be auto, fp32 or bf16; got {precision!r}")
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise DistributedError(f"{type(model).__name__} has no model.layers; expected a HF decoder-only LM")
+    return list(layers)
+
+
+def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, precision: Precision = "auto") -> torch.nn.Module:
+    """Shard each decoder layer, then the root (embeddings, final norm, lm_head) over the mesh."""
+    device = torch.device(mesh.device_type)
+    mp = mixed_precision_policy(precision, device)
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if mp is not None:
+        kwargs["mp_policy"] = mp
+    layers = decoder_layers(model)
+    for i, layer in enumerate(layers):
+        # The last layer's parameters are needed again at once by backward: keep them gathered.
+        fully_shard(layer, reshard_after_forward=i < len(layers) - 1, **kwargs)
+    fully_shard(model, **kwargs)
+    model.gyre_compute_dtype = mp.param_dtype if mp is not None else torch.float32  # type: ignore[assignment]
+    return model
+
+
+def set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+
+
+# ------------------------------------------------------------------------------------------------
+# Balancing micro-batches across ranks
+
+
+def balance_micro_batches(token_counts: list[int], world_size: int) -> list[list[int]]:
+    """Assign micro-batch indices to ranks so that token totals are even (longest first, least-loaded rank).
+
+    Deterministic: ties go to the earlier micro-batch and the lower rank. Each rank's list is sorted.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    loads = [0] * world_size
+    assigned: list[list[int]] = [[] for _ in range(world_size)]
+    for idx in sorted(range(len(token_counts)), key=lambda i: (-token_counts[i], i)):
+        rank = min(range(world_size), key=lambda r: (loads[r], len(assigned[r]), r))
+        assigned[rank].append(idx)
+        loads[rank] += token_counts[idx]
+    return [sorted(a) for a in assigned]
+
+
+# ------------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def checkpoint_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"{CHECKPOINT_PREFIX}{step:08d}"
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The newest complete checkpoint (one whose trainer_state.json was written last) under root."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    done = sorted(p for p in root.iterdir() if p.name.startswith(CHECKPOINT_PREFIX) and (p / STATE_FILE).is_file())
+    return done[-1] if done else None
+
+
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads((Path(path) / STATE_FILE).read_text())  # type: ignore[no-any-return]
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path} has no readable {STATE_FILE}: {exc}") from exc
+
+
+def save_checkpoint(
+    root: Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    trainer_state: dict[str, Any],
+    keep: int = 2,
+) -> Path:
+    """Save sharded model + optimizer state with DCP (every rank writes its shards) under root/step-N.
+
+    The state file is written last by rank 0, after every rank finished: its presence marks completion, so a
+    crash mid-save leaves a directory that `latest_checkpoint` ignores. All ranks must see the same root.
+    """
+    path = checkpoint_dir(root, step)
+    if dist.get_rank() == 0 and path.exists():
+        shutil.rmtree(path)  # an incomplete save of this step from before a crash
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        state = {**trainer_state, "step": step, "world_size": dist.get_world_size()}
+        tmp = path / (STATE_FILE + ".tmp")
+        tmp.write_text(json.dumps(state, sort_keys=True))
+        os.replace(tmp, path / STATE_FILE)
+        _prune(Path(root), keep)
+    dist.barrier()
+    return path
+
+
+def _prune(root: Path, keep: int) -> None:
+    done = sorted(p for p in root.iterdir() if p.name.startswith(CHECKPOINT_PREFIX) and (p / STATE_FILE).is_file())
+    for old in done[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Load a DCP checkpoint into an already sharded model and its optimizer (any world size)."""
+    state = read_trainer_state(path)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    return state
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded weights on CPU (a collective: every rank calls it; rank 0 receives the tensors)."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+@dataclass(frozen=True)
+class ReformTiming:
+    group_s: float
+    build_s: float
+    load_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.group_s + self.build_s + self.load_s
+
+
+def timed(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
+    start = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return out, time.perf_counter() - start

@@ -1,0 +1,359 @@
+"""The trainer rank: a sharded model and optimizer that turn tree-packed batches into optimiser steps.
+
+Every rank of the group holds the same TrainingBatch, takes its share of the micro-batches (balanced by
+tokens) and runs the same number of forward/backward passes so FSDP's collectives stay in step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from services.trainer.distributed import (
+    GroupSpec,
+    Precision,
+    ReformTiming,
+    apply_fsdp,
+    balance_micro_batches,
+    full_state_dict,
+    init_group,
+    latest_checkpoint,
+    leave_group,
+    load_checkpoint,
+    save_checkpoint,
+    set_gradient_sync,
+    timed,
+)
+from services.trainer.loss import GspoConfig, execution_log_ratio_sums, gspo_loss
+from services.trainer.packed_forward import DEFAULT_FLEX_THRESHOLD, PackedTensors, packed_logprobs, to_tensors
+from shared.batch import MicroBatch, TrainingBatch
+
+
+class TrainerError(Exception):
+    pass
+
+
+class BatchMismatch(TrainerError):
+    pass
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    precision: Precision = "auto"
+    flex_threshold: int = DEFAULT_FLEX_THRESHOLD
+    loss: GspoConfig = field(default_factory=GspoConfig)
+    recompute_old_logprobs: bool = False  # False: pi_old = mu (the behaviour logprobs)
+    seed: int = 0
+
+
+def flat_token_count(mb: MicroBatch) -> int:
+    """Tokens the micro-batch would cost unpacked: every token once per root-to-leaf path through it."""
+    n = mb.num_tokens
+    if n == 0:
+        return 0
+    idx = np.arange(n)
+    is_leaf = (mb.subtree_end == idx + 1).astype(np.int64)
+    leaves_before = np.concatenate([[0], np.cumsum(is_leaf)])
+    return int((leaves_before[mb.subtree_end] - leaves_before[idx]).sum())
+
+
+def _dummy_batch(device: torch.device) -> PackedTensors:
+    # A 1-token sequence without targets: keeps a rank with fewer micro-batches in the collectives.
+    z = torch.zeros(1, dtype=torch.long, device=device)
+    e = z[:0]
+    return PackedTensors(
+        input_ids=z[None],
+        position_ids=z[None],
+        subtree_end=torch.ones(1, dtype=torch.long, device=device),
+        target_pos=e,
+        pred_pos=e,
+        labels=e,
+        behaviour_logprob=torch.zeros(0, device=device),
+        policy_version=e,
+        target_exec=e,
+    )
+
+
+def _to_float(t: Any) -> float:
+    full = getattr(t, "full_tensor", None)
+    return float(full() if full is not None else t)
+
+
+class Trainer:
+    """One rank. Build with `Trainer.start(...)`; `step(batch)` trains; `save`/`resume` go through DCP."""
+
+    def __init__(self, model: torch.nn.Module, mesh: DeviceMesh, config: TrainerConfig, model_dir: Path) -> None:
+        self.model = model
+        self.mesh = mesh
+        self.config = config
+        self.model_dir = Path(model_dir)
+        self.device = torch.device(mesh.device_type)
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=config.lr,
+            betas=config.betas,
+            eps=config.adam_eps,
+            weight_decay=config.weight_decay,
+        )
+        self.step_count = 0  # optimiser steps taken; the next batch trained is step `step_count`
+        self.policy_version = 0  # version of the current weights (0 = initial)
+
+    # -------------------------------------------------------------------------------------------- setup
+
+    @classmethod
+    def start(
+        cls, model_dir: Path, spec: GroupSpec, config: TrainerConfig, checkpoint_root: Path | None = None
+    ) -> tuple[Trainer, ReformTiming]:
+        """Join the process group, build the sharded model, and resume from the latest checkpoint if any."""
+        mesh, group_s = timed(init_group, spec)
+        trainer, build_s = timed(cls.build, model_dir, mesh, config)
+        load_s = 0.0
+        if checkpoint_root is not None:
+            latest = latest_checkpoint(checkpoint_root)
+            if latest is not None:
+                _, load_s = timed(trainer.resume, latest)
+        return trainer, ReformTiming(group_s=group_s, build_s=build_s, load_s=load_s)
+
+    @classmethod
+    def build(cls, model_dir: Path, mesh: DeviceMesh, config: TrainerConfig) -> Trainer:
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(config.seed)
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        model.to(torch.device(mesh.device_type))
+        model.train()
+        apply_fsdp(model, mesh, config.precision)
+        return cls(model, mesh, config, model_dir)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size()
+
+    def close(self) -> None:
+        leave_group()
+
+    # ---------------------------------------------------------------------------------------- training
+
+    def _local_passes(self, micro_batches: list[MicroBatch]) -> list[tuple[PackedTensors, bool]]:
+        assignment = balance_micro_batches([mb.num_tokens for mb in micro_batches], self.world_size)
+        mine = [to_tensors(micro_batches[i], self.device) for i in assignment[self.rank]]
+        passes = max(len(a) for a in assignment)
+        return [(t, True) for t in mine] + [(_dummy_batch(self.device), False)] * (passes - len(mine))
+
+    def _logprobs(self, t: PackedTensors) -> torch.Tensor:
+        return packed_logprobs(self.model, t, flex_threshold=self.config.flex_threshold)
+
+    def _all_reduce(self, t: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(t, op=op)
+        return t
+
+    def step(self, batch: TrainingBatch) -> dict[str, float]:
+        """One GSPO optimiser step over the whole batch (all ranks call it with the same batch)."""
+        num_exec = len(batch.executions)
+        counts_np = np.zeros(num_exec, dtype=np.int64)
+        spans = np.zeros(num_exec, dtype=np.int64)
+        for mb in batch.micro_batches:
+            mb.validate(num_exec)
+            present = np.bincount(mb.target_exec, minlength=num_exec)
+            counts_np += present
+            spans += present > 0
+        declared = np.array([e.num_targets for e in batch.executions], dtype=np.int64)
+        if not np.array_equal(counts_np, declared):
+            bad = int(np.flatnonzero(counts_np != declared)[0])
+            raise BatchMismatch(
+                f"execution {batch.executions[bad].execution_id} declares {declared[bad]} targets, "
+                f"the micro-batches hold {counts_np[bad]}"
+            )
+        dev = self.device
+        advantages = torch.tensor([e.advantage for e in batch.executions], dtype=torch.float32, device=dev)
+        counts = torch.from_numpy(counts_np).to(dev)
+        executions_with_targets = int((counts_np > 0).sum())
+        passes = self._local_passes(batch.micro_batches)
+
+        # s_e needs every target of e. When an execution spans micro-batches (or pi_old is recomputed), a
+        # no-grad pass at the step's starting weights gives the per-execution sums, all-reduced over ranks.
+        recompute = self.config.recompute_old_logprobs
+        old: list[torch.Tensor | None] = [None] * len(passes)
+        ratio_sums: torch.Tensor | None = None
+        if recompute or bool((spans > 1).any()):
+            ratio_sums = torch.zeros(num_exec, dtype=torch.float64, device=dev)
+            with torch.no_grad():
+                for i, (t, real) in enumerate(passes):
+                    lp = self._logprobs(t)
+                    if real:
+                        old[i] = lp if recompute else t.behaviour_logprob
+                        ratio_sums += execution_log_ratio_sums(lp, old[i], t.target_exec, num_exec)  # type: ignore[arg-type]
+            self._all_reduce(ratio_sums)
+
+        scale = float(self.world_size)  # FSDP averages gradients over ranks; the loss is a sum over them
+        loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
+        stats = torch.zeros(6, dtype=torch.float64, device=dev)  # targets, sum w, truncated, |old-mu|, staleness
+        maxes = torch.full((2,), -1e30, dtype=torch.float64, device=dev)  # max w, max staleness
+        after_sums = torch.zeros(num_exec, dtype=torch.float64, device=dev)
+        for i, (t, real) in enumerate(passes):
+            set_gradient_sync(self.model, i == len(passes) - 1)
+            lp = self._logprobs(t)
+            if real:
+                o = old[i] if old[i] is not None else t.behaviour_logprob
+                terms = gspo_loss(
+                    lp,
+                    o,  # type: ignore[arg-type]
+                    t.behaviour_logprob,
+                    t.target_exec,
+                    advantages,
+                    counts,
+                    num_executions=executions_with_targets,
+                    log_ratio_sums=ratio_sums,
+                    config=self.config.loss,
+                )
+                loss = terms.loss
+                after_sums += execution_log_ratio_sums(lp, o, t.target_exec, num_exec)  # type: ignore[arg-type]
+                stale = (self.policy_version - t.policy_version).double()
+                n = lp.shape[0]
+                stats += torch.stack(
+                    [
+                        torch.tensor(float(n), dtype=torch.float64, device=dev),
+                        terms.is_weight.sum(),
+                        terms.is_truncated.double().sum(),
+                        (o.double() - t.behaviour_logprob.double()).abs().sum(),  # type: ignore[union-attr]
+                        stale.sum(),
+                        torch.zeros((), dtype=torch.float64, device=dev),
+                    ]
+                )
+                if n:
+                    maxes = torch.maximum(maxes, torch.stack([terms.is_weight.max(), stale.max()]))
+            else:
+                loss = lp.sum()  # zero, but connected to every parameter
+            (loss * scale).backward()
+            loss_sum += loss.detach().double()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+        self._all_reduce(loss_sum)
+        self._all_reduce(stats)
+        self._all_reduce(after_sums)
+        self._all_reduce(maxes, dist.ReduceOp.MAX)
+        has = counts > 0
+        s_e = torch.exp(after_sums[has] / counts[has].double())
+        adv = advantages.double()[has]
+        lo, hi = 1.0 - self.config.loss.eps_low, 1.0 + self.config.loss.eps_high
+        clipped = ((adv > 0) & (s_e > hi)) | ((adv < 0) & (s_e < lo))
+        targets = max(float(stats[0]), 1.0)
+        metrics = {
+            "loss": float(loss_sum),
+            "clip_fraction": float(clipped.double().mean()) if executions_with_targets else 0.0,
+            "seq_ratio_mean": float(s_e.mean()) if executions_with_targets else 1.0,
+            "seq_ratio_min": float(s_e.min()) if executions_with_targets else 1.0,
+            "seq_ratio_max": float(s_e.max()) if executions_with_targets else 1.0,
+            "is_weight_mean": float(stats[1]) / targets,
+            "is_weight_max": float(maxes[0]) if stats[0] > 0 else 1.0,
+            "is_truncated_fraction": float(stats[2]) / targets,
+            "old_behaviour_abs_diff": float(stats[3]) / targets,
+            "staleness_mean": float(stats[4]) / targets,
+            "staleness_max": float(maxes[1]) if stats[0] > 0 else 0.0,
+            "grad_norm": _to_float(grad_norm),
+            "unique_tokens": float(sum(mb.num_tokens for mb in batch.micro_batches)),
+            "flat_tokens": float(batch.meta.get("flat_tokens", sum(flat_token_count(mb) for mb in batch.micro_batches))),
+            "target_tokens": float(stats[0]),
+            "executions": float(executions_with_targets),
+            "micro_batches": float(len(batch.micro_batches)),
+            "world_size": float(self.world_size),
+        }
+        self.step_count += 1
+        self.policy_version += 1
+        return metrics
+
+    def sft_step(self, micro_batches: list[MicroBatch]) -> dict[str, float]:
+        """One cross-entropy step: mean over every unique target token of -log p (same packing and FSDP)."""
+        total_targets = sum(mb.num_targets for mb in micro_batches)
+        if total_targets == 0:
+            raise TrainerError("an SFT step needs at least one target token; the micro-batches hold none")
+        passes = self._local_passes(micro_batches)
+        scale = float(self.world_size)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for i, (t, real) in enumerate(passes):
+            set_gradient_sync(self.model, i == len(passes) - 1)
+            lp = self._logprobs(t)
+            loss = -lp.sum() / total_targets if real else lp.sum()
+            (loss * scale).backward()
+            loss_sum += loss.detach().double()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._all_reduce(loss_sum)
+        self.step_count += 1
+        self.policy_version += 1
+        return {
+            "loss": float(loss_sum),
+            "grad_norm": _to_float(grad_norm),
+            "target_tokens": float(total_targets),
+            "unique_tokens": float(sum(mb.num_tokens for mb in micro_batches)),
+        }
+
+    @torch.no_grad()
+    def logprobs(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
+        """Per-target logprobs of every micro-batch (each rank computes its share; results gathered to all)."""
+        passes = self._local_passes(micro_batches)
+        assignment = balance_micro_batches([mb.num_tokens for mb in micro_batches], self.world_size)
+        local = [self._logprobs(t).cpu() for t, real in passes if real]
+        gathered: list[Any] = [None] * self.world_size
+        if self.world_size > 1:
+            for t, real in passes:
+                if not real:
+                    self._logprobs(t)
+            dist.all_gather_object(gathered, local)
+        else:
+            gathered = [local]
+        out: list[torch.Tensor] = [torch.empty(0)] * len(micro_batches)
+        for rank, idxs in enumerate(assignment):
+            for j, idx in enumerate(idxs):
+                out[idx] = gathered[rank][j]
+        return out
+
+    # ------------------------------------------------------------------------------------- checkpoints
+
+    def trainer_state(self) -> dict[str, Any]:
+        return {"step_count": self.step_count, "policy_version": self.policy_version}
+
+    def save(self, root: Path, keep: int = 2, extra: dict[str, Any] | None = None) -> Path:
+        state = {**self.trainer_state(), **(extra or {})}
+        return save_checkpoint(root, self.step_count, self.model, self.optimizer, state, keep=keep)
+
+    def resume(self, path: Path) -> dict[str, Any]:
+        state = load_checkpoint(path, self.model, self.optimizer)
+        self.step_count = int(state["step_count"])
+        self.policy_version = int(state["policy_version"])
+        return state
+
+    # ------------------------------------------------------------------------------------- publication
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """Unsharded weights on CPU; a collective (every rank calls it), non-empty on rank 0 only."""
+        sd = full_state_dict(self.model)
+        return sd if self.rank == 0 else {}
+
+    def weights_bytes(self) -> bytes | None:
+        """The full weights as safetensors bytes on rank 0 (None elsewhere); see weights.py."""
+        from services.trainer.weights import safetensors_bytes
+
+        sd = self.full_weights()
+        if self.rank != 0:
+            return None
+        return safetensors_bytes(sd, self.model.config)  # type: ignore[union-attr]
