@@ -1,0 +1,155 @@
+"""The trajectory service shell: folds the execution log, builds trees as executions finish, and emits one
+`batch.ready` per training step once the step's groups are complete. All decisions come from the pure core
+(`state`, `tree`, `packing`); this file only moves events and blobs."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from typing import Any
+
+from services.trajectory.state import (
+    CONSUMED_TYPES,
+    BatchParams,
+    LogError,
+    RunLog,
+    assemble_step_batch,
+    execution_tree,
+)
+from services.trajectory.tree import TrajectoryTree
+from shared.batch import BATCH_MEDIA_TYPE, TrainingBatch
+from shared.events import BatchReady, BlobRef, Event, stream_id_for
+from shared.runtime import Service
+from shared.store import Transaction
+
+
+def batch_stream_id(run_id: str, step: int) -> str:
+    """One stream per (run, step) holding exactly one batch.ready: a second append is a version conflict."""
+    return stream_id_for("batch", f"{run_id}-{step}")
+
+
+def batch_ready_data(step: int, batch: TrainingBatch, ref: BlobRef) -> BatchReady:
+    meta = batch.meta
+    queries = str(meta.get("queries", ""))
+    return BatchReady(
+        step=step,
+        batch=ref,
+        query_ids=[q for q in queries.split(",") if q],
+        executions=len(batch.executions),
+        trees=len(batch.executions),
+        micro_batches=len(batch.micro_batches),
+        unique_tokens=int(meta["unique_tokens"]),
+        flat_tokens=int(meta["flat_tokens"]),
+        target_tokens=int(meta["target_tokens"]),
+        min_policy_version=int(meta["min_policy_version"]),
+        max_policy_version=int(meta["max_policy_version"]),
+    )
+
+
+class TrajectoryService(Service):
+    name = "trajectory"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.run_log = RunLog()
+        self.trees: dict[str, TrajectoryTree] = {}
+        self.blobs: dict[str, bytes] = {}
+        s = self.settings
+        self.params = BatchParams(
+            budget=s.micro_batch_tokens,
+            cap_k=s.cap_k,
+            eps=s.advantage_eps,
+            drop_zero_variance=s.drop_zero_variance,
+            max_staleness=s.max_staleness,
+        )
+        # Not in Settings yet: when known, a step waits until this many queries are dispatched for it.
+        self.queries_per_step: int | None = getattr(s, "queries_per_step", None)
+
+    async def setup(self) -> None:
+        # State is derived from the log, never kept: a restarted service folds the same events and so
+        # knows every batch already emitted (no duplicate) and every execution already finished (no miss).
+        assert self.store is not None
+        history = await self.store.read_all(types=list(CONSUMED_TYPES), run_id=self.settings.run_id)
+        self.run_log.apply_all(s.event for s in history)
+        self.log.info("trajectory_state_loaded", events=len(history), executions=len(self.run_log.executions),
+                      batches=sorted(self.run_log.batches))
+        self.on(list(CONSUMED_TYPES), self.handle)
+        async with self.store.transaction() as tx:
+            await self._emit_ready(tx, cause=None)
+
+    def health(self) -> dict[str, Any]:
+        return {"executions": len(self.run_log.executions), "batches": sorted(self.run_log.batches)}
+
+    async def handle(self, event: Event, tx: Transaction) -> None:
+        if event.run_id != self.settings.run_id:
+            return
+        try:
+            self.run_log.apply(event)
+        except LogError as exc:
+            self.log.error("log_inconsistent", error=str(exc), event_id=str(event.event_id))
+            return
+        execution_id = getattr(event.data, "execution_id", None)
+        if execution_id is not None:
+            await self._maybe_build(execution_id)
+        await self._emit_ready(tx, cause=event)
+
+    async def _get_blobs(self, refs: list[BlobRef]) -> None:
+        assert self.store is not None
+        for ref in refs:
+            if ref.digest not in self.blobs:
+                self.blobs[ref.digest] = await self.store.get_blob(ref)
+
+    async def _maybe_build(self, execution_id: str) -> None:
+        state = self.run_log.executions.get(execution_id)
+        if state is None or execution_id in self.trees or not (state.ended and state.has_all_calls):
+            return
+        refs = self.run_log.blob_refs([execution_id])
+        await self._get_blobs(refs)
+        try:
+            # A private copy: other handlers keep folding events into the live state meanwhile.
+            snapshot = replace(state, calls=dict(state.calls), labels=list(state.labels))
+            tree = await asyncio.to_thread(execution_tree, snapshot, self._blob)
+        except LogError as exc:
+            self.log.error("tree_build_failed", execution_id=execution_id, error=str(exc))
+            return
+        self.trees[execution_id] = tree
+        for ref in refs:  # token blobs are only needed until the tree exists
+            self.blobs.pop(ref.digest, None)
+        stats = tree.stats()
+        self.log.info("tree_built", execution_id=execution_id, digest=tree.digest(), **stats.as_dict())
+
+    def _blob(self, ref: BlobRef) -> bytes:
+        return self.blobs[ref.digest]
+
+    async def _emit_ready(self, tx: Transaction, cause: Event | None) -> None:
+        assert self.store is not None
+        for step in self.run_log.ready_steps(self.queries_per_step):
+            stream = batch_stream_id(self.settings.run_id, step)
+            existing = await self.store.read_stream(stream)
+            if existing:  # emitted by an earlier incarnation whose batch.ready we have not folded yet
+                self.run_log.apply(existing[0].event)
+                continue
+            ids = self.run_log.step_execution_ids(step)
+            missing = [e for e in ids if e not in self.trees]
+            for execution_id in missing:
+                await self._maybe_build(execution_id)
+            try:
+                # Synchronous on purpose: the fold must not change under it (trees are already built).
+                batch = assemble_step_batch(self.run_log, step, self._blob, self.params, self.trees)
+            except LogError as exc:
+                self.log.error("batch_failed", step=step, error=str(exc))
+                continue
+            data = batch.encode()
+            ref = await tx.put_blob(data, media_type=BATCH_MEDIA_TYPE)
+            event = self.event(batch_ready_data(step, batch, ref), stream_id=stream, version=1, cause=cause)
+            # Not folded here: only a committed batch counts. Until it comes back (store check above, or the
+            # bus), a concurrent handler may try the same step and lose on the version check; its event is
+            # then redelivered and finds the batch. If this transaction fails, the redelivery rebuilds it.
+            tx.append([event], expected_version=0)
+            self.log.info("batch_ready", step=step, digest=ref.digest, executions=len(batch.executions),
+                          micro_batches=len(batch.micro_batches), **{k: v for k, v in batch.meta.items()
+                                                                     if isinstance(v, int)})
+
+
+if __name__ == "__main__":
+    TrajectoryService.main()
