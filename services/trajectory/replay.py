@@ -79,8 +79,9 @@ def select_events(events: Sequence[Event], selection: Selection) -> list[Event]:
     except LogError as exc:
         raise CorruptLog(str(exc)) from exc
     if selection.execution is not None:
-        wanted = {selection.execution}
-        query_ids = {log.executions[selection.execution].query_id} if selection.execution in log.executions else set()
+        known = selection.execution in log.executions
+        wanted = {selection.execution} if known else set()
+        query_ids = {log.executions[selection.execution].query_id} if known else set()
         steps: set[int] = set()
     elif selection.query is not None:
         q = log.queries.get(selection.query)
@@ -94,6 +95,7 @@ def select_events(events: Sequence[Event], selection: Selection) -> list[Event]:
         return list(events)
     if not wanted:
         raise ReplayError(f"nothing in the log matches {selection.describe()}")
+    query_ids.discard(None)  # type: ignore[arg-type]
     out = []
     for e in events:
         d = e.data

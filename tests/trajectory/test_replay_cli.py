@@ -1,0 +1,82 @@
+"""`gyre replay` end to end: golden files, export → from-file round trip, loud failures, and Postgres."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from services.trajectory.cli import EXIT_BAD_LOG, EXIT_DIVERGED, replay_app
+from services.trajectory.replay import import_text
+from tests.conftest import Infra
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+runner = CliRunner()
+
+
+def invoke(*args: str):  # noqa: ANN201
+    return runner.invoke(replay_app, list(args))
+
+
+def test_replay_verifies_every_golden_log() -> None:
+    for path in sorted(GOLDEN.glob("*.jsonl")):
+        result = invoke("--from-file", str(path), "--verify")
+        assert result.exit_code == 0, (path.name, result.output)
+        assert "deterministic" in result.output
+
+
+def test_replay_prints_the_tree_and_statistics() -> None:
+    result = invoke("--from-file", str(GOLDEN / "retries.jsonl"), "--execution", "golden-retries")
+    assert result.exit_code == 0, result.output
+    assert "execution golden-retries" in result.output and "retry 2" in result.output
+
+
+def test_export_then_replay_from_the_file(tmp_path: Path) -> None:
+    out = tmp_path / "step0.jsonl"
+    result = invoke("--from-file", str(GOLDEN / "group.jsonl"), "--step", "0", "--export", str(out), "-q")
+    assert result.exit_code == 0, result.output
+    again = invoke("--from-file", str(out), "--verify", "-q")
+    assert again.exit_code == 0 and "matching the live batches" in again.output
+
+
+def test_corrupted_log_exits_non_zero(tmp_path: Path) -> None:
+    lines = (GOLDEN / "compaction.jsonl").read_text().splitlines()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(line for line in lines if '"call_index":1,' not in line))
+    result = invoke("--from-file", str(bad), "--verify")
+    assert result.exit_code == EXIT_BAD_LOG and "corrupted log" in result.output
+
+
+def test_divergence_prints_the_first_differing_position(tmp_path: Path) -> None:
+    text = (GOLDEN / "group.jsonl").read_text()
+    tampered = tmp_path / "tampered.jsonl"
+    tampered.write_text(text.replace('"reward":0.5', '"reward":0.75', 1))
+    result = invoke("--from-file", str(tampered), "--verify", "-q")
+    assert result.exit_code == EXIT_DIVERGED
+    assert "DIVERGED" in result.output and "entry 0" in result.output
+
+
+def test_unknown_selection_is_an_error() -> None:
+    result = invoke("--from-file", str(GOLDEN / "drift.jsonl"), "--execution", "nope")
+    assert result.exit_code == EXIT_BAD_LOG and "nothing in the log matches" in result.output
+
+
+async def test_replay_reads_postgres_and_never_writes(store, infra: Infra, monkeypatch, tmp_path: Path) -> None:
+    log = import_text((GOLDEN / "group.jsonl").read_text())
+    for data in log.blobs.values():
+        await store.put_blob(data)
+    await store.append(log.events)
+    head = await store.head_position()
+    monkeypatch.setenv("GYRE_DATABASE_URL", infra.database_url)
+    monkeypatch.setenv("GYRE_NATS_URL", infra.nats_url)
+    monkeypatch.setenv("GYRE_DB_SCHEMA", store.schema or "")
+    out = tmp_path / "run.jsonl"
+    result = await asyncio.to_thread(invoke, "--run", "golden-run", "--verify", "--export", str(out), "-q")
+    assert result.exit_code == 0, result.output
+    assert "matching the live batches" in result.output
+    assert await store.head_position() == head  # nothing appended
+    exported = import_text(out.read_text())
+    assert sorted(str(e.event_id) for e in exported.events) == sorted(str(e.event_id) for e in log.events)
+    assert json.loads(out.read_text().splitlines()[0])["format"] == "gyre-execution-log"
