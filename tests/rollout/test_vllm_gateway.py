@@ -18,6 +18,8 @@ from shared.tinymodel import create_tiny_model
 from tests.rollout.fakes import build_stack
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
+# The current Messages API has no sampling fields; the gateway still reads `temperature` from the body.
+GREEDY = {"temperature": 0.0}
 
 BASH = {
     "name": "bash",
@@ -54,7 +56,7 @@ def _blob(stack, call) -> CallTokens:
 async def test_plain_and_streamed_calls_record_the_engines_tokens_and_logprobs(stack, engine) -> None:
     client = stack.anthropic(stack.registry.register("v-plain"))
     user = [{"role": "user", "content": "What is 2 + 2? Answer briefly."}]
-    msg = await client.messages.create(model="tiny", max_tokens=24, temperature=0.0, messages=user)
+    msg = await client.messages.create(model="tiny", max_tokens=24, extra_body=GREEDY, messages=user)
     assert msg.role == "assistant" and msg.stop_reason in ("end_turn", "max_tokens")
     call = stack.recorder.calls("v-plain")[0]
     assert call.completion_tokens == msg.usage.output_tokens > 0
@@ -67,7 +69,7 @@ async def test_plain_and_streamed_calls_record_the_engines_tokens_and_logprobs(s
     assert np.allclose(direct.logprobs, tokens.logprobs, atol=1e-5)
 
     streamed = stack.anthropic(stack.registry.register("v-stream"))
-    async with streamed.messages.stream(model="tiny", max_tokens=24, temperature=0.0, messages=user) as s:
+    async with streamed.messages.stream(model="tiny", max_tokens=24, extra_body=GREEDY, messages=user) as s:
         kinds = [event.type async for event in s]
         final = await s.get_final_message()
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
@@ -160,13 +162,13 @@ async def test_weight_reload_changes_outputs_and_policy_version(stack, model_dir
 
     user = [{"role": "user", "content": "Say something about files."}]
     before = await stack.anthropic(stack.registry.register("v-w0")).messages.create(
-        model="tiny", max_tokens=16, temperature=0.0, messages=user)
+        model="tiny", max_tokens=16, extra_body=GREEDY, messages=user)
     state = load_file(str(model_dir / "model.safetensors"))
     generator = torch.Generator().manual_seed(1)
     perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=generator) for k, v in state.items()}
     await stack.local.workers["w0"].apply_weights(1, perturbed)
     after = await stack.anthropic(stack.registry.register("v-w1")).messages.create(
-        model="tiny", max_tokens=16, temperature=0.0, messages=user)
+        model="tiny", max_tokens=16, extra_body=GREEDY, messages=user)
     assert before.content[0].text != after.content[0].text
     assert stack.recorder.calls("v-w0")[0].policy_version == 0
     assert stack.recorder.calls("v-w1")[0].policy_version == 1

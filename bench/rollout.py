@@ -1,0 +1,230 @@
+"""Rollout benchmark: the full gateway path vs the same requests sent to the engine directly, and moving a
+long session's KV to another worker vs recomputing its prefill there. Prints a JSON object as its last line.
+
+    nice .venv/bin/python bench/rollout.py [--executions 8 --turns 4 --max-tokens 64 --history-tokens 12000]
+
+Gateway path: anthropic SDK → real HTTP (uvicorn) → token-in/token-out → NATS request/reply → worker →
+vLLM, and every call recorded in PostgreSQL before it returns. Direct path: the exact prompt token ids the
+gateway produced, sent to the same engine with the same sampling and concurrency. NATS and Postgres come from
+GYRE_NATS_URL / GYRE_DATABASE_URL, or are started embedded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import socket
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _throughput(args: argparse.Namespace, engine: Any, model_dir: Path, nats_url: str, db_url: str,
+                      log: dict[str, Any]) -> tuple[float, float]:
+    import anthropic
+    import httpx2
+    import sqlalchemy as sa
+    import uvicorn
+
+    from services.rollout.codec import TokenizerCodec
+    from services.rollout.credentials import ExecutionRegistry
+    from services.rollout.gateway import GatewayCore, create_app
+    from services.rollout.protocol import SamplingSpec
+    from services.rollout.recording import StoreCallRecorder
+    from services.rollout.router import Router, WorkerDirectory
+    from services.rollout.transport import NatsWorkerClient, WorkerServer, watch_statuses
+    from services.rollout.worker import RolloutWorker
+    from shared.bus import Bus
+    from shared.calls import CallTokens, ExecutionSequences, CallRecord
+    from shared.store import EventStore, run_migrations
+
+    schema = "bench_" + uuid.uuid4().hex[:8]
+    await asyncio.to_thread(run_migrations, db_url, schema)
+    store = await EventStore.connect(db_url, schema=schema)
+    bus = await Bus.connect(nats_url, prefix="bench" + uuid.uuid4().hex[:6])
+    directory = WorkerDirectory()
+    watcher = await watch_statuses(bus, directory)
+    worker = RolloutWorker(engine, worker_id="bench-a", cell_id="cell-a", capacity=args.executions)
+    server = await WorkerServer(worker, bus).start()
+    while not directory.live():
+        await asyncio.sleep(0.02)
+    recorder = StoreCallRecorder(store, run_id="bench")
+    core = GatewayCore(codec=TokenizerCodec.from_model_dir(model_dir), router=Router(directory, NatsWorkerClient(bus)),
+                       recorder=recorder, max_model_len=engine.max_model_len, model_name="tiny")
+    registry = ExecutionRegistry()
+    port = _free_port()
+    http = uvicorn.Server(uvicorn.Config(create_app(core, registry), host="127.0.0.1", port=port,
+                                         log_level="warning", lifespan="off"))
+    http_task = asyncio.create_task(http.serve())
+    while not http.started:
+        await asyncio.sleep(0.02)
+    try:
+        async def agent(i: int) -> int:
+            client = anthropic.AsyncAnthropic(api_key=registry.register(f"bench-{i}"), base_url=f"http://127.0.0.1:{port}",
+                                              max_retries=0, http_client=httpx2.AsyncClient(timeout=600))
+            messages: list[dict[str, Any]] = [{"role": "user", "content": f"Task {i}: inspect the repository."}]
+            produced = 0
+            for turn in range(args.turns):
+                msg = await client.messages.create(model="tiny", max_tokens=args.max_tokens, extra_body={"temperature": 0.0},
+                                                   system="You are a careful agent.", messages=messages)
+                produced += msg.usage.output_tokens
+                messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in msg.content]},
+                             {"role": "user", "content": f"Result of step {turn}: ok. Continue."}]
+            return produced
+
+        await engine.reset_prefix_cache()
+        started = time.perf_counter()
+        gateway_tokens = sum(await asyncio.gather(*(agent(i) for i in range(args.executions))))
+        gateway_s = time.perf_counter() - started
+
+        # The exact prompts the gateway sent, rebuilt from the recorded deltas.
+        prompts: dict[str, list[np.ndarray]] = {}
+        for i in range(args.executions):
+            seqs = ExecutionSequences()
+            for item in await store.read_stream(f"execution-bench-{i}"):
+                c = item.event.data
+                if getattr(c, "call_index", None) is None or item.event.type != "call.completed":
+                    continue
+                tokens = CallTokens.decode(await store.get_blob(c.record))
+                seq = seqs.add(CallRecord(execution_id=c.execution_id, call_id=c.call_id, call_index=c.call_index,
+                                          parent_call_index=c.parent_call_index,
+                                          parent_prefix_len=c.parent_prefix_len, tokens=tokens,
+                                          policy_version=c.policy_version))
+                prompts.setdefault(c.execution_id, []).append(seq[: c.prompt_tokens])
+
+        async def direct(execution_id: str) -> int:
+            produced = 0
+            for k, prompt in enumerate(prompts[execution_id]):
+                out = await engine.generate([int(t) for t in prompt],
+                                            SamplingSpec(max_tokens=args.max_tokens, temperature=0.0),
+                                            f"direct-{execution_id}-{k}")
+                produced += len(out.token_ids)
+            return produced
+
+        await engine.reset_prefix_cache()
+        started = time.perf_counter()
+        direct_tokens = sum(await asyncio.gather(*(direct(e) for e in sorted(prompts))))
+        direct_s = time.perf_counter() - started
+        log.update(gateway_tokens=gateway_tokens, gateway_s=round(gateway_s, 3), direct_tokens=direct_tokens,
+                   direct_s=round(direct_s, 3), calls=sum(len(p) for p in prompts.values()))
+        return direct_tokens / direct_s, gateway_tokens / gateway_s
+    finally:
+        http.should_exit = True
+        await http_task
+        await server.stop()
+        await watcher.unsubscribe()
+        if bus.nc.is_connected:
+            try:
+                await bus.js.delete_object_store(f"{bus._stream_prefix}-blobs".lower())
+            except Exception:
+                pass
+        await bus.close()
+        async with store.engine.connect() as conn:
+            await conn.execute(sa.text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+            await conn.commit()
+        await store.close()
+
+
+async def _migration(args: argparse.Namespace, a: Any, b: Any, log: dict[str, Any]) -> tuple[float, float]:
+    """A live session of `history_tokens` on A; move it to B by KV (save on A, load on B) or by recompute."""
+    from services.rollout.engine import KV_LOAD_PREFIX, KV_SAVE_PREFIX
+    from services.rollout.protocol import SamplingSpec
+    from services.rollout.worker import kv_prompt
+
+    one = SamplingSpec(max_tokens=1, temperature=0.0)
+    rng = np.random.default_rng(0)
+    history = [int(t) for t in rng.integers(10, 4000, size=args.history_tokens)]
+    await a.generate(history, one, "session-life")  # the session's KV lives on A
+    recompute, migrate, cached = [], [], 0
+    for rep in range(args.repeats):
+        await b.reset_prefix_cache()
+        started = time.perf_counter()
+        await b.generate(history, one, f"adopt-recompute-{rep}")
+        recompute.append(time.perf_counter() - started)
+
+        await b.reset_prefix_cache()
+        prompt = [int(t) for t in kv_prompt(np.asarray(history), a.block_size)]
+        started = time.perf_counter()
+        await a.generate(prompt, one, f"{KV_SAVE_PREFIX}{rep}")
+        out = await b.generate(prompt, one, f"{KV_LOAD_PREFIX}{rep}")
+        migrate.append(time.perf_counter() - started)
+        cached = out.cached_tokens
+        log["kv_bytes"] = a.kv_bytes(prompt)
+        a.drop_kv(prompt)
+    log.update(history_tokens=args.history_tokens, migrated_cached_tokens=cached,
+               recompute_runs=[round(x, 4) for x in recompute], migrate_runs=[round(x, 4) for x in migrate])
+    return float(np.median(migrate)), float(np.median(recompute))
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    from services.rollout.engine import VllmConfig, VllmEngine, prepare_cpu_environment
+    from shared.local import EmbeddedNats, EmbeddedPostgres
+    from shared.tinymodel import create_tiny_model
+
+    work = Path(tempfile.mkdtemp(prefix="gyre-bench-rollout-"))
+    prepare_cpu_environment(work / "vllm")
+    model_dir = Path(args.model_dir) if args.model_dir else create_tiny_model(work / "model", seed=0)
+    nats_url, db_url = os.environ.get("GYRE_NATS_URL", ""), os.environ.get("GYRE_DATABASE_URL", "")
+    embedded: list[Any] = []
+    if not nats_url:
+        nats = EmbeddedNats(work / "infra")
+        nats.start()
+        embedded.append(nats)
+        nats_url = nats.url
+    if not db_url:
+        pg = EmbeddedPostgres(work / "infra")
+        pg.start()
+        embedded.append(pg)
+        db_url = pg.url
+    log: dict[str, Any] = {}
+    max_len = max(args.history_tokens + 256, 4096)
+    a = VllmEngine.start(VllmConfig(model=model_dir, max_model_len=max_len, kv_storage=work / "kv"))
+    b = VllmEngine.start(VllmConfig(model=model_dir, max_model_len=max_len, kv_storage=work / "kv"))
+    try:
+        direct_tps, gateway_tps = await _throughput(args, a, model_dir, nats_url, db_url, log)
+        migrate_s, recompute_s = await _migration(args, a, b, log)
+    finally:
+        await a.close()
+        await b.close()
+        for server in embedded:
+            server.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps({"details": log}))
+    return {
+        "bench": "rollout",
+        "direct_tokens_per_s": round(direct_tps, 1),
+        "gateway_tokens_per_s": round(gateway_tps, 1),
+        "overhead_ratio": round(direct_tps / gateway_tps, 3),
+        "migrate_s": round(migrate_s, 4),
+        "recompute_s": round(recompute_s, 4),
+        "migrate_speedup": round(recompute_s / migrate_s, 3),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--executions", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--history-tokens", type=int, default=12000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--model-dir", default=None)
+    args = parser.parse_args()
+    print(json.dumps(asyncio.run(run(args))))
+
+
+if __name__ == "__main__":
+    main()

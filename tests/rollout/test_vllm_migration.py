@@ -1,0 +1,95 @@
+"""KV migration between two real vLLM engines through the shared-storage connector (the one two-engine test)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import pytest_asyncio
+
+from services.rollout import anthropic_api
+from services.rollout.codec import TokenizerCodec
+from services.rollout.protocol import DrainRequest, SamplingSpec
+from shared.events import KvMigrated
+from shared.tinymodel import create_tiny_model
+from tests.rollout.fakes import build_stack
+
+pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
+# The current Messages API has no sampling fields; the gateway still reads `temperature` from the body.
+GREEDY = {"temperature": 0.0}
+
+SYSTEM = "You are an agent working in a repository. " * 20  # a prompt of several 128-token blocks
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return create_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engines(model_dir, tmp_path_factory):
+    from services.rollout.engine import VllmConfig, VllmEngine, prepare_cpu_environment
+
+    prepare_cpu_environment(tmp_path_factory.mktemp("vllm"))
+    kv = tmp_path_factory.mktemp("kv")
+    a = VllmEngine.start(VllmConfig(model=model_dir, max_model_len=2048, kv_storage=kv))
+    b = VllmEngine.start(VllmConfig(model=model_dir, max_model_len=2048, kv_storage=kv))
+    yield a, b
+    await a.close()
+    await b.close()
+
+
+async def test_live_session_moves_to_another_worker_with_its_kv_and_continues_identically(engines,
+                                                                                         model_dir) -> None:
+    a, b = engines
+    events: list = []
+
+    async def emit(data):
+        events.extend(data)
+
+    codec = TokenizerCodec.from_model_dir(model_dir)
+    stack = build_stack([a, b], codec, emit=emit)
+    w0, w1 = stack.local.workers["w0"], stack.local.workers["w1"]
+    w1.state = "draining"  # place both executions on w0
+    stack.refresh()
+    client = stack.anthropic(stack.registry.register("m-1"))
+    turn1 = [{"role": "user", "content": "Look at the repository and report."}]
+    msg = await client.messages.create(model="tiny", system=SYSTEM, max_tokens=16, extra_body=GREEDY, messages=turn1)
+    other = stack.anthropic(stack.registry.register("m-2"))
+    await other.messages.create(model="tiny", system=SYSTEM, max_tokens=8, messages=turn1)
+    assert stack.core.router.worker_of("m-1") == stack.core.router.worker_of("m-2") == "w0"
+
+    turn2 = turn1 + [{"role": "assistant", "content": [c.model_dump(exclude_none=True) for c in msg.content]},
+                     {"role": "user", "content": "Now continue."}]
+    body = {"model": "tiny", "system": SYSTEM, "max_tokens": 16, "messages": turn2}
+    plan = stack.core.executions["m-1"].tito.plan(anthropic_api.parse_request(body).conversation, codec)
+    # What worker A would answer, greedy, for the next turn.
+    expected = await a.generate([int(t) for t in plan.prompt], SamplingSpec(max_tokens=16, temperature=0.0),
+                                "expected-on-a")
+
+    w1.state = "active"
+    stack.refresh()
+    # A request of m-2 is in flight when the drain starts: it completes on A, then m-2 migrates too.
+    in_flight = asyncio.create_task(other.messages.create(
+        model="tiny", system=SYSTEM, max_tokens=64, messages=turn1 + [
+            {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]))
+    await asyncio.sleep(0.01)
+    drained = await w0.drain(DrainRequest())
+    done = await in_flight
+    assert done.usage.output_tokens > 0
+    assert drained.ok, drained.detail
+    by_exec = {m.execution_id: m for m in drained.migrated}
+    assert set(by_exec) == {"m-1", "m-2"}
+    moved = by_exec["m-1"]
+    assert moved.method == "kv" and moved.to_worker == "w1" and moved.bytes > 0 and moved.cached_tokens > 0
+    kv_events = [e for e in events if isinstance(e, KvMigrated)]
+    assert {e.execution_id for e in kv_events} == {"m-1", "m-2"}
+    assert all(e.from_cell == "cell-0" and e.to_cell == "cell-1" and e.method == "kv" for e in kv_events)
+
+    stack.refresh()
+    msg2 = await client.messages.create(model="tiny", system=SYSTEM, max_tokens=16, extra_body=GREEDY, messages=turn2)
+    calls = stack.recorder.calls("m-1")
+    assert calls[-1].cell_id == "cell-1" and calls[-1].branch_hint == "continuation"
+    assert msg2.usage.cache_read_input_tokens > 0
+    assert msg2.content[0].text == codec.decode(expected.token_ids)
+    assert stack.core.router.worker_of("m-1") == "w1"
