@@ -1,0 +1,1 @@
+"""Gyre's control plane: placement policies (elastic, async, colocate) and the cluster simulator."""

@@ -1,0 +1,71 @@
+"""Pure scheduling policies shared by the live scheduler and the simulator: `decide(snapshot) -> actions`."""
+
+from __future__ import annotations
+
+from services.scheduler.policies.actions import (
+    Action,
+    AssignCell,
+    DispatchQuery,
+    DrainCell,
+    MigrateSession,
+    Outcome,
+    PolicyViolation,
+    apply_actions,
+)
+from services.scheduler.policies.base import Policy
+from services.scheduler.policies.elastic import ElasticPolicy
+from services.scheduler.policies.fixed import AsyncPolicy, ColocatePolicy, PolicyConfigError
+from services.scheduler.policies.snapshot import (
+    CellState,
+    CellView,
+    FinishedExecution,
+    LiveExecution,
+    QueuedQuery,
+    Role,
+    Snapshot,
+    SwitchCosts,
+    TrainerView,
+)
+
+POLICY_NAMES = ("elastic", "async", "colocate")
+
+
+def make_policy(name: str, *, budget_cells: int, rollout_cells: int | None = None, fill: float = 0.9) -> Policy:
+    """Build a policy by name; `rollout_cells` sizes async's fixed rollout pool (default: half)."""
+    match name:
+        case "elastic":
+            return ElasticPolicy(fill=fill, pack_fill=fill)
+        case "async":
+            return AsyncPolicy(rollout_cells=rollout_cells or max(1, budget_cells // 2), fill=fill)
+        case "colocate":
+            return ColocatePolicy(fill=fill)
+        case _:
+            raise PolicyConfigError(f"expected a policy in {POLICY_NAMES}, got {name!r}")
+
+
+__all__ = [
+    "Action",
+    "AssignCell",
+    "AsyncPolicy",
+    "CellState",
+    "CellView",
+    "ColocatePolicy",
+    "DispatchQuery",
+    "DrainCell",
+    "ElasticPolicy",
+    "FinishedExecution",
+    "LiveExecution",
+    "MigrateSession",
+    "Outcome",
+    "POLICY_NAMES",
+    "Policy",
+    "PolicyConfigError",
+    "PolicyViolation",
+    "QueuedQuery",
+    "Role",
+    "Snapshot",
+    "SwitchCosts",
+    "TrainerView",
+    "apply_actions",
+    "make_policy",
+]

@@ -1,0 +1,239 @@
+"""The elastic policy: cells move between rollout and training with demand, sessions migrate, never die."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+from services.scheduler.policies.actions import Action, AssignCell, DispatchQuery, MigrateSession
+from services.scheduler.policies.base import Room, accepting, dispatch_onto, pending_sessions
+from services.scheduler.policies.snapshot import CellState, CellView, LiveExecution, Role, Snapshot
+
+
+@dataclass(frozen=True, slots=True)
+class ElasticPolicy:
+    """Demand-driven roles, decided afresh from every snapshot.
+
+    1. Rollout first: queries the staleness bound lets start get room, taken from spare cells, then
+       from train cells (the bound already keeps rollouts from running away from the trainer).
+    2. The trainer gets the cells its backlog needs to be cleared within `train_horizon_s`; once
+       its batch is complete (the backlog is then on the critical path) it gets every cell rollout
+       can spare, by consolidating live sessions onto fewer rollout cells up to `pack_fill` of KV.
+    3. Cells training does not need go back to rollout, and sessions are spread over them: decode
+       is faster on a lightly loaded cell, and the long tail is what the step waits for.
+    Hysteresis: the train pool shrinks only when it exceeds its target by `margin` cells, a cell does
+    not leave a role within `min_dwell_s`, and a consolidation must buy `payback` times its cost.
+    """
+
+    fill: float = 0.9  # KV fraction new sessions may reserve on a cell
+    pack_fill: float = 0.9  # KV fraction consolidation may pack a cell to
+    train_horizon_s: float = 1_200.0
+    min_dwell_s: float = 300.0
+    payback: float = 2.0
+    margin: int = 2
+    max_moves: int = 256  # migrations per decision when spreading load
+    name: str = "elastic"
+    allows_parking: bool = False
+
+    def decide(self, snapshot: Snapshot) -> list[Action]:
+        cells = sorted(snapshot.cells, key=lambda c: c.cell_id)
+        in_budget = sum(1 for c in cells if c.role is not Role.IDLE)
+        spare = [c for c in cells if c.role is Role.IDLE][: max(0, snapshot.budget_cells - in_budget)]
+        room = Room.of(snapshot, self.fill)
+        reserve = max(1, snapshot.session_kv_reserve_bytes)
+        trainer = snapshot.trainer
+        work_now = trainer.backlog_tokens > 0
+        actions: list[Action] = []
+
+        # 1. Grow rollout when the queries allowed to start do not fit in what rollout has or gets.
+        incoming = [c for c in cells if c.role is Role.ROLLOUT and c.state is CellState.SWITCHING]
+        slots = sum(max(0, room.free(c.cell_id)) // reserve for c in cells if accepting(c))
+        slots += sum(self._empty_slots(c, reserve) for c in incoming)
+        deficit = pending_sessions(snapshot) - slots
+        moved: set[str] = set()
+        if deficit > 0:
+            trainers = [c for c in cells if c.role is Role.TRAIN and c.state is CellState.ACTIVE]
+            if work_now:
+                trainers = trainers[1:]  # keep the trainer alive while it has work
+            donors = spare + trainers
+            donors += [c for c in cells if c.role is Role.ROLLOUT and c.state is CellState.DRAINING]
+            for cell in donors:
+                if deficit <= 0:
+                    break
+                actions.append(AssignCell(cell.cell_id, Role.ROLLOUT))
+                moved.add(cell.cell_id)
+                deficit -= self._empty_slots(cell, reserve) - max(0, room.reserved[cell.cell_id]) // reserve
+
+        # 2. Start what fits now.
+        started = dispatch_onto(snapshot, room, [c.cell_id for c in cells if accepting(c)])
+        actions += started
+        placed = {cid for a in started if isinstance(a, DispatchQuery) for cid in a.placements}
+        waiting = pending_sessions(snapshot) - sum(len(a.placements) for a in started if isinstance(a, DispatchQuery))
+        if waiting > 0:
+            # Rollout has claimed what it can use; spare cells left over serve the trainer's backlog.
+            if work_now:
+                actions += [AssignCell(c.cell_id, Role.TRAIN) for c in spare if c.cell_id not in moved]
+            return actions
+
+        # 3. Size the train pool to its work.
+        n_train = sum(1 for c in cells if c.role is Role.TRAIN)
+        if trainer.batch_complete and trainer.policy_version < trainer.steps_total:
+            target = snapshot.budget_cells
+        elif work_now and trainer.tokens_per_cell_s > 0:
+            target = math.ceil(trainer.backlog_tokens / (trainer.tokens_per_cell_s * self.train_horizon_s))
+        elif work_now:
+            target = snapshot.budget_cells
+        else:
+            target = 0
+        for cell in spare:
+            if cell.cell_id in moved:
+                continue
+            role = Role.TRAIN if (n_train < target or not snapshot.live) else Role.ROLLOUT
+            actions.append(AssignCell(cell.cell_id, role))
+            n_train += role is Role.TRAIN
+        if n_train < target:
+            actions += self._consolidate(snapshot, cells, room, placed | moved, target - n_train)
+        elif n_train > target + self.margin and snapshot.live:
+            actions += self._release_trainers(snapshot, cells, n_train - target)
+        actions += self._spread(snapshot, cells, room, actions)
+        if work_now:
+            actions += self._empty_to_train(snapshot, cells, actions, placed | moved)
+        return actions
+
+    def _empty_to_train(
+        self, snapshot: Snapshot, cells: list[CellView], so_far: list[Action], keep: set[str]
+    ) -> list[Action]:
+        """A rollout cell left with no session and none arriving trains rather than idles."""
+        touched = {a.cell_id for a in so_far if isinstance(a, AssignCell)}
+        touched |= {a.to_cell for a in so_far if isinstance(a, MigrateSession)}
+        occupied = {e.cell_id for e in snapshot.live}
+        return [
+            AssignCell(c.cell_id, Role.TRAIN)
+            for c in cells
+            if accepting(c)
+            and c.cell_id not in touched | keep | occupied
+            and self._dwelled(snapshot, c)
+        ]
+
+    def _empty_slots(self, cell: CellView, reserve: int) -> int:
+        return int(cell.kv_capacity_bytes * self.fill) // reserve
+
+    def _dwelled(self, snapshot: Snapshot, cell: CellView) -> bool:
+        return snapshot.now_s - cell.role_since_s >= self.min_dwell_s
+
+    def _release_trainers(self, snapshot: Snapshot, cells: list[CellView], count: int) -> list[Action]:
+        """Idle train cells go back to rollout, where they take load off the busiest cells."""
+        idle = [c for c in cells if c.role is Role.TRAIN and c.state is CellState.ACTIVE and self._dwelled(snapshot, c)]
+        return [AssignCell(c.cell_id, Role.ROLLOUT) for c in idle[:count]]
+
+    def _consolidate(
+        self, snapshot: Snapshot, cells: list[CellView], room: Room, keep: set[str], wanted: int
+    ) -> list[Action]:
+        """Release up to `wanted` rollout cells to training, emptiest first, migrating their sessions."""
+        on_cell: dict[str, list[LiveExecution]] = defaultdict(list)
+        for e in snapshot.live:
+            on_cell[e.cell_id].append(e)
+        pack = Room(
+            reserved=dict(room.reserved),
+            limit={c.cell_id: int(c.kv_capacity_bytes * self.pack_fill) for c in cells},
+        )
+        rollout = [c for c in cells if c.role is Role.ROLLOUT and c.state is not CellState.SWITCHING]
+        n_train = sum(1 for c in cells if c.role is Role.TRAIN)
+        costs = snapshot.switch_costs
+        candidates = [c for c in rollout if c.cell_id not in keep and self._dwelled(snapshot, c)]
+        candidates.sort(key=lambda c: (room.reserved[c.cell_id], c.cell_id))
+        receivers = {c.cell_id for c in rollout if accepting(c)}
+        received: set[str] = set()
+        actions: list[Action] = []
+        for cell in candidates:
+            if wanted <= 0:
+                break
+            if cell.cell_id in received:
+                continue  # it took sessions from an emptier cell in this decision
+            sessions = on_cell.get(cell.cell_id, [])
+            if any(e.migrating for e in sessions):
+                continue  # a session whose KV is in flight is moved again only once it has landed
+            plan = self._plan_moves(snapshot, sessions, cell.cell_id, pack, receivers)
+            if plan is None:
+                break  # cells are tried emptiest first: if this one does not fit, fuller ones will not
+            if sessions:
+                move_s = max(snapshot.reserved_bytes(e) for e in sessions) / costs.migration_bytes_per_s
+                cost_s = move_s + costs.to_train_s + costs.to_rollout_s
+                if self._training_horizon_s(snapshot, n_train + 1) < self.payback * cost_s:
+                    break
+            for e, dst in plan:
+                need = snapshot.reserved_bytes(e)
+                pack.reserved[dst] += need
+                pack.reserved[cell.cell_id] -= need
+                actions.append(MigrateSession(e.execution_id, cell.cell_id, dst))
+                received.add(dst)
+            receivers.discard(cell.cell_id)
+            actions.append(AssignCell(cell.cell_id, Role.TRAIN))
+            wanted -= 1
+            n_train += 1
+        # Keep the shared bookkeeping in step for the spreading pass.
+        room.reserved.update(pack.reserved)
+        return actions
+
+    def _plan_moves(
+        self,
+        snapshot: Snapshot,
+        sessions: list[LiveExecution],
+        source: str,
+        pack: Room,
+        receivers: set[str],
+    ) -> list[tuple[LiveExecution, str]] | None:
+        """Best-fit-decreasing placement of a cell's sessions on the other receivers, or None."""
+        if not sessions:
+            return []
+        free = {c: pack.free(c) for c in receivers if c != source}
+        plan: list[tuple[LiveExecution, str]] = []
+        for e in sorted(sessions, key=lambda e: (-snapshot.reserved_bytes(e), e.execution_id)):
+            need = snapshot.reserved_bytes(e)
+            fits = [(f, c) for c, f in free.items() if f >= need]
+            if not fits:
+                return None
+            _, dst = min(fits)
+            free[dst] -= need
+            plan.append((e, dst))
+        return plan
+
+    def _spread(self, snapshot: Snapshot, cells: list[CellView], room: Room, so_far: list[Action]) -> list[Action]:
+        """Even out KV load across the rollout cells that stay, busiest cell to emptiest."""
+        leaving = {a.cell_id for a in so_far if isinstance(a, AssignCell)}
+        moving = {a.execution_id for a in so_far if isinstance(a, MigrateSession)}
+        targets = [c.cell_id for c in cells if accepting(c) and c.cell_id not in leaving]
+        if len(targets) < 2:
+            return []
+        on_cell: dict[str, list[LiveExecution]] = defaultdict(list)
+        for e in snapshot.live:
+            if e.execution_id not in moving and not e.migrating:
+                on_cell[e.cell_id].append(e)
+        load = {c: room.reserved[c] for c in targets}
+        mean = sum(load.values()) / len(targets)
+        reserve = max(1, snapshot.session_kv_reserve_bytes)
+        actions: list[Action] = []
+        for _ in range(self.max_moves):
+            hi = max(targets, key=lambda c: (load[c], c))
+            lo = min(targets, key=lambda c: (load[c], c))
+            if load[hi] - mean < reserve or mean - load[lo] < reserve or not on_cell[hi]:
+                break
+            e = min(on_cell[hi], key=lambda e: (snapshot.reserved_bytes(e), e.execution_id))
+            need = snapshot.reserved_bytes(e)
+            if load[lo] + need > room.limit[lo] or load[lo] + need >= load[hi]:
+                break
+            on_cell[hi].remove(e)
+            load[hi] -= need
+            load[lo] += need
+            actions.append(MigrateSession(e.execution_id, hi, lo))
+        return actions
+
+    def _training_horizon_s(self, snapshot: Snapshot, train_cells: int) -> float:
+        """How long the training work in sight keeps `train_cells` busy (inf when unmeasured)."""
+        rate = snapshot.trainer.tokens_per_cell_s * train_cells
+        if rate <= 0:
+            return math.inf
+        version = snapshot.trainer.policy_version
+        coming = sum(e.context_tokens for e in snapshot.live if e.batch == version)
+        return (snapshot.trainer.backlog_tokens + coming) / rate
