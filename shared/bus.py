@@ -160,6 +160,13 @@ class Bus:
         )
         return sum(1 for a in acks if not a.duplicate)
 
+    async def publish_payloads(self, items: Sequence[tuple[str, bytes, str]]) -> int:
+        """Publish (event_type, payload, event_id) triples concurrently; returns how many were new."""
+        acks = await asyncio.gather(
+            *(self.js.publish(self.subject(t), p, headers={"Nats-Msg-Id": i}) for t, p, i in items)
+        )
+        return sum(1 for a in acks if not a.duplicate)
+
     async def publish_raw(self, subject: str, payload: bytes, *, msg_id: str | None = None) -> None:
         headers = {"Nats-Msg-Id": msg_id} if msg_id else None
         await self.js.publish(subject, payload, headers=headers)

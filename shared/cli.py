@@ -82,6 +82,31 @@ def status(state_dir: StateDir = None) -> None:
     print(json.dumps(local.status(state), indent=2))
 
 
+SERVICES = ("scheduler", "rollout", "harness", "trajectory", "trainer")
+
+
+@app.command()
+def serve(service: Annotated[str, typer.Argument(help="One of: " + ", ".join(SERVICES) + ".")]) -> None:
+    """Run one service as this process (the same as `python -m services.<name>`)."""
+    import runpy
+
+    if service not in SERVICES:
+        raise typer.BadParameter(f"unknown service {service!r}; expected one of {', '.join(SERVICES)}")
+    sys.argv = [f"services.{service}"]
+    runpy.run_module(f"services.{service}", run_name="__main__", alter_sys=True)
+
+
+@app.command()
+def migrate() -> None:
+    """Run the database migrations against GYRE_DATABASE_URL (the one-shot job in compose)."""
+    from shared.store import run_migrations
+
+    settings = load_settings()
+    _, db = endpoints(settings)
+    run_migrations(db, settings.db_schema)
+    console.print("migrations at head")
+
+
 @app.command()
 def relay() -> None:
     """Run the outbox relay (Postgres event table → JetStream)."""

@@ -84,10 +84,10 @@ class OutboxRelay:
         position = await self.store.get_position(self.name)
         sent = 0
         while True:
-            page = await self.store.read_after(position, limit=self.batch)
+            page = await self.store.read_after_raw(position, limit=self.batch)
             if not page:
                 return sent
-            await self.bus.publish_many([s.event for s in page])
+            await self.bus.publish_payloads([(e.type, e.payload, str(e.event_id)) for e in page])
             last = page[-1].position
             if self.after_publish is not None:
                 await self.after_publish(last)

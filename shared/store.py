@@ -7,6 +7,7 @@ positions commit in order: a reader tailing `position > p` can never skip an eve
 from __future__ import annotations
 
 import hashlib
+import json
 import uuid
 import zlib
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -128,8 +129,8 @@ def notify_channel(schema: str | None) -> str:
     return f"gyre_events_{schema or 'public'}".lower()
 
 
-def _row_to_event(row: Any) -> StoredEvent:
-    body = {
+def _row_body(row: Any) -> dict[str, Any]:
+    return {
         "event_id": str(row.event_id),
         "type": row.type,
         "schema_version": row.schema_version,
@@ -141,7 +142,20 @@ def _row_to_event(row: Any) -> StoredEvent:
         "correlation_id": str(row.correlation_id) if row.correlation_id else None,
         "data": row.data,
     }
-    return StoredEvent(position=row.position, event=parse_event(body))
+
+
+def _row_to_event(row: Any) -> StoredEvent:
+    return StoredEvent(position=row.position, event=parse_event(_row_body(row)))
+
+
+@dataclass(frozen=True)
+class RawEvent:
+    """An event as the relay forwards it: already-validated JSON bytes, not re-parsed on the hot path."""
+
+    position: int
+    event_id: uuid.UUID
+    type: str
+    payload: bytes
 
 
 class Transaction:
@@ -326,6 +340,27 @@ class EventStore:
         stmt = stmt.order_by(events_table.c.position).limit(limit)
         async with self.engine.connect() as conn:
             return [_row_to_event(r) for r in await conn.execute(stmt)]
+
+    async def read_after_raw(self, position: int, *, limit: int = 1000) -> list[RawEvent]:
+        """Like read_after, but as JSON bytes: events were validated when appended, so the relay skips
+        rebuilding pydantic models for each one."""
+        stmt = (
+            sa.select(events_table)
+            .where(events_table.c.position > position)
+            .order_by(events_table.c.position)
+            .limit(limit)
+        )
+        async with self.engine.connect() as conn:
+            rows = list(await conn.execute(stmt))
+        return [
+            RawEvent(
+                position=r.position,
+                event_id=r.event_id,
+                type=r.type,
+                payload=json.dumps(_row_body(r), separators=(",", ":"), sort_keys=True).encode(),
+            )
+            for r in rows
+        ]
 
     async def read_all(self, *, types: Sequence[str] | None = None, run_id: str | None = None) -> list[StoredEvent]:
         out: list[StoredEvent] = []

@@ -189,3 +189,13 @@ async def test_a_held_append_lock_orders_commits(es: EventStore):
         await trans.commit()
     await b
     assert [s.event.stream_id for s in await es.read_after(0)] == ["cell-a", "cell-b"]
+
+
+async def test_raw_reads_parse_back_to_the_same_events(es: EventStore):
+    from shared.events import parse_event
+
+    events = [assigned(f"cell-{i}", 1) for i in range(5)]
+    await es.append(events)
+    raw = await es.read_after_raw(0)
+    assert [parse_event(r.payload) for r in raw] == events
+    assert [r.position for r in raw] == [s.position for s in await es.read_after(0)]

@@ -1,0 +1,88 @@
+"""The `gyre` command as an operator uses it: up, status, events export/tail, migrate, down."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Infra, unique
+from tests.shared.helpers import assigned
+
+
+def gyre(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "shared.cli", *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GYRE_")}
+    return {**env, **extra}
+
+
+def test_up_status_down_with_embedded_servers():
+    state = Path(tempfile.mkdtemp(prefix="gyre-cli-"))
+    env = clean_env(GYRE_STATE_DIR=str(state))
+    try:
+        up = gyre("up", env=env)
+        assert up.returncode == 0, up.stderr
+        assert "GYRE_NATS_URL=nats://127.0.0.1:" in up.stdout
+        assert "GYRE_DATABASE_URL=postgresql://" in up.stdout
+        status = json.loads(gyre("status", env=env).stdout)
+        assert status["running"] and status["nats"]["embedded"] and status["postgres"]["up"]
+        again = gyre("up", env=env)  # idempotent: the same servers
+        assert again.stdout == up.stdout
+        assert (state / "env").read_text().splitlines()[0] in up.stdout
+    finally:
+        down = gyre("down", env=env)
+    assert "nats" in down.stderr and "postgres" in down.stderr
+    assert json.loads(gyre("status", env=env).stdout) == {"running": False}
+
+
+async def test_events_export_and_tail_read_the_log(store, infra: Infra, tmp_path: Path):
+    events = [assigned(f"cell-x{i}", 1, run_id="cli-run") for i in range(3)] + [assigned("cell-other", 1)]
+    await store.append(events)
+    env = clean_env(
+        GYRE_DATABASE_URL=infra.database_url, GYRE_NATS_URL=infra.nats_url, GYRE_DB_SCHEMA=store.schema
+    )
+    out = tmp_path / "log.jsonl"
+    result = gyre("events", "export", str(out), "--run", "cli-run", env=env)
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line["event_id"] for line in lines] == [str(e.event_id) for e in events[:3]]
+    tail = gyre("events", "tail", "--no-follow", "--stream", "cell-other", env=env)
+    assert [json.loads(line)["stream_id"] for line in tail.stdout.splitlines()] == ["cell-other"]
+
+
+def test_commands_without_servers_say_what_to_do():
+    env = clean_env(GYRE_STATE_DIR=tempfile.mkdtemp(prefix="gyre-none-"))
+    result = gyre("events", "tail", "--no-follow", env=env)
+    assert result.returncode != 0
+    assert "gyre up" in result.stderr
+
+
+def test_migrate_is_idempotent(infra: Infra):
+    import psycopg
+
+    schema = unique("m_")
+    env = clean_env(GYRE_DATABASE_URL=infra.database_url, GYRE_NATS_URL=infra.nats_url, GYRE_DB_SCHEMA=schema)
+    try:
+        for _ in range(2):
+            result = gyre("migrate", env=env)
+            assert result.returncode == 0, result.stderr
+    finally:
+        with psycopg.connect(infra.database_url, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+@pytest.mark.parametrize("bad", [["model", "init", "/tmp/x", "--size", "huge"], ["serve", "nonsense"]])
+def test_bad_arguments_are_refused_with_a_message(bad):
+    result = gyre(*bad, env=clean_env())
+    assert result.returncode == 2
+    assert "huge" in result.stderr or "nonsense" in result.stderr
