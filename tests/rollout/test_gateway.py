@@ -267,3 +267,17 @@ async def test_internal_registration_api_mints_a_working_token(stack) -> None:
     with pytest.raises(anthropic.AuthenticationError):
         await stack.anthropic(token).messages.create(model="tiny", max_tokens=20,
                                                      messages=[{"role": "user", "content": "hi"}])
+
+
+async def test_an_echo_that_drops_the_tool_call_is_a_fork_not_a_silent_splice(stack) -> None:
+    client = stack.anthropic(stack.registry.register("exec-drop"))
+    first = [{"role": "user", "content": "task"}]
+    msg = await client.messages.create(model="tiny", max_tokens=300, tools=[BASH], messages=first)
+    assert msg.stop_reason == "tool_use"
+    # The harness keeps only the text block of the reply.
+    await client.messages.create(model="tiny", max_tokens=300, tools=[BASH], messages=first + [
+        {"role": "assistant", "content": msg.content[0].text}, {"role": "user", "content": "go on"}])
+    calls = stack.recorder.calls("exec-drop")
+    assert calls[1].branch_hint == "fork"
+    # The shared prefix ends inside the first reply: the generated text is kept, the dropped call is not.
+    assert calls[0].prompt_tokens < calls[1].parent_prefix_len < calls[0].prompt_tokens + calls[0].completion_tokens
