@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 Reply = dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
 
@@ -35,6 +35,27 @@ def shell(command: str, **usage: int) -> dict[str, Any]:
 
 def submit(answer: str = "done", **usage: int) -> dict[str, Any]:
     return tool("submit", {"answer": answer}, **usage)
+
+
+def _sse(message: dict[str, Any]) -> Iterator[str]:
+    """The message as Anthropic's streaming events (one delta per block), for clients that stream."""
+
+    def event(name: str, data: dict[str, Any]) -> str:
+        return f"event: {name}\ndata: {json.dumps({'type': name, **data})}\n\n"
+
+    start = {**message, "content": [], "stop_reason": None, "usage": {**message["usage"], "output_tokens": 1}}
+    yield event("message_start", {"message": start})
+    for index, block in enumerate(message["content"]):
+        if block["type"] == "text":
+            yield event("content_block_start", {"index": index, "content_block": {"type": "text", "text": ""}})
+            yield event("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": block["text"]}})
+        else:
+            yield event("content_block_start", {"index": index, "content_block": {**block, "input": {}}})
+            delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+            yield event("content_block_delta", {"index": index, "delta": delta})
+        yield event("content_block_stop", {"index": index})
+    yield event("message_delta", {"delta": {"stop_reason": message["stop_reason"], "stop_sequence": None}, "usage": {"output_tokens": message["usage"]["output_tokens"]}})
+    yield event("message_stop", {})
 
 
 class ScriptedAnthropicServer:
@@ -82,18 +103,19 @@ class ScriptedAnthropicServer:
             out_chars = len(json.dumps(reply["content"]))
             usage = {"input_tokens": prompt_chars // 4, "output_tokens": max(1, out_chars // 4)}
             usage.update(reply.get("usage", {}))
-            return JSONResponse(
-                {
-                    "id": f"msg_{len(self.requests):04d}",
-                    "type": "message",
-                    "role": "assistant",
-                    "model": body.get("model", self.model),
-                    "content": reply["content"],
-                    "stop_reason": reply.get("stop_reason", "end_turn"),
-                    "stop_sequence": None,
-                    "usage": usage,
-                }
-            )
+            message = {
+                "id": f"msg_{len(self.requests):04d}",
+                "type": "message",
+                "role": "assistant",
+                "model": body.get("model", self.model),
+                "content": reply["content"],
+                "stop_reason": reply.get("stop_reason", "end_turn"),
+                "stop_sequence": None,
+                "usage": usage,
+            }
+            if body.get("stream"):
+                return StreamingResponse(_sse(message), media_type="text/event-stream")
+            return JSONResponse(message)
 
         return app
 
