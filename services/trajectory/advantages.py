@@ -85,14 +85,14 @@ def compute_advantages(
         members = groups[query_id]
         if group_size is not None and len(members) != group_size:
             raise AdvantageError(f"query {query_id}: expected a group of {group_size} executions, got {len(members)}")
-        r = np.array([m.reward for m in members], dtype=np.float64)
-        mean = float(r.mean())
-        std = float(r.std())
+        values = np.array([m.reward for m in members], dtype=np.float64)
+        mean = float(values.mean())
+        std = float(values.std())
         flat = std <= ZERO_VARIANCE_STD
         summaries.append(GroupSummary(query_id, len(members), mean, std, flat, flat and drop_zero_variance))
         if flat and drop_zero_variance:
             continue
-        adv = np.zeros_like(r) if flat else (r - mean) / (std + eps)
+        adv = np.zeros_like(values) if flat else (values - mean) / (std + eps)
         out.extend(
             Advantage(m.execution_id, query_id, float(m.reward), float(a), flat, m.timed_out)
             for m, a in zip(members, adv, strict=True)

@@ -32,46 +32,56 @@ def node_target_counts(tree: TrajectoryTree) -> np.ndarray:
     return np.add.reduceat(tree.is_target.astype(np.int64), tree.node_start)
 
 
+def _path_sums(tree: TrajectoryTree, values: np.ndarray) -> np.ndarray:
+    """Sum of `values` over each node's root path (parents precede children in pre-order)."""
+    parents = tree.node_parent.tolist()
+    sums = values.astype(np.int64).tolist()
+    for node, parent in enumerate(parents):
+        if parent >= 0:
+            sums[node] += sums[parent]
+    return np.array(sums, dtype=np.int64)
+
+
+def _path_mask(tree: TrajectoryTree, leaves: list[int]) -> np.ndarray:
+    keep = np.zeros(tree.num_nodes, dtype=bool)
+    for leaf in leaves:
+        node = leaf
+        while node >= 0 and not keep[node]:
+            keep[node] = True
+            node = int(tree.node_parent[node])
+    return keep
+
+
 def select_leaves(tree: TrajectoryTree, k: int) -> list[int]:
-    """Greedy max-coverage over leaves; stops early when no remaining leaf adds a target."""
+    """Greedy max-coverage over leaves; stops early when no remaining leaf adds a target.
+
+    Memory and time are O(nodes) per pick (path sums over the pre-order), never leaves × nodes.
+    """
     if k < 1:
         raise CapError(f"cap K must be at least 1, got {k}")
     leaves = tree.leaves()
     if leaves.size == 0:
         return []
     # Leaf order = creating call, so argmax (first maximum) implements "ties by earliest call".
-    order = np.lexsort((leaves, tree.node_first_call[leaves]))
-    leaves = leaves[order]
-    node_sub_end = tree.subtree_end[tree.node_start]
-    leaf_start = tree.node_start[leaves]
-    # on_path[l, j]: node j is an ancestor-or-self of leaf l (pre-order interval test, no per-token work).
-    on_path = (tree.node_start[None, :] <= leaf_start[:, None]) & (leaf_start[:, None] < node_sub_end[None, :])
+    leaves = leaves[np.lexsort((leaves, tree.node_first_call[leaves]))]
     remaining = node_target_counts(tree)
-    weights = on_path.astype(np.int64)
-    chosen: list[int] = []
     available = np.ones(leaves.shape[0], dtype=bool)
+    chosen: list[int] = []
     for _ in range(min(k, leaves.shape[0])):
-        gains = np.where(available, weights @ remaining, -1)
+        gains = np.where(available, _path_sums(tree, remaining)[leaves], -1)
         best = int(np.argmax(gains))
         if gains[best] <= 0:
             break
         chosen.append(int(leaves[best]))
         available[best] = False
-        remaining = np.where(on_path[best], 0, remaining)
+        remaining[_path_mask(tree, [chosen[-1]])] = 0
     return chosen
 
 
 def cap_tree(tree: TrajectoryTree, k: int) -> CapResult:
     leaves = tree.leaves()
     chosen = select_leaves(tree, k)
-    keep = np.zeros(tree.num_nodes, dtype=bool)
-    if chosen:
-        node_sub_end = tree.subtree_end[tree.node_start]
-        starts = tree.node_start[np.array(chosen)]
-        keep = np.any(
-            (tree.node_start[None, :] <= starts[:, None]) & (starts[:, None] < node_sub_end[None, :]), axis=0
-        )
-    capped = restrict_tree(tree, keep)
+    capped = restrict_tree(tree, _path_mask(tree, chosen))
     kept = capped.num_targets
     return CapResult(
         tree=capped,

@@ -21,7 +21,16 @@ from services.trajectory.state import (
 )
 from services.trajectory.tree import TrajectoryTree
 from shared.batch import MicroBatch, TrainingBatch
-from shared.events import BatchReady, BlobRef, CallCompleted, Event, EventError, parse_event
+from shared.events import (
+    BatchReady,
+    BlobRef,
+    CallCompleted,
+    Event,
+    EventError,
+    ExecutionScored,
+    ExecutionStarted,
+    parse_event,
+)
 from shared.tokens import digest_of
 
 LOG_FORMAT = "gyre-execution-log"
@@ -96,10 +105,14 @@ def select_events(events: Sequence[Event], selection: Selection) -> list[Event]:
     if not wanted:
         raise ReplayError(f"nothing in the log matches {selection.describe()}")
     query_ids.discard(None)  # type: ignore[arg-type]
+    # Group siblings' start and score events come along so advantages can be shown for a single execution.
+    siblings = {x for q in query_ids if q in log.queries for x in log.queries[q].execution_ids} - wanted
     out = []
     for e in events:
         d = e.data
         if _event_execution(e) in wanted and not isinstance(d, BatchReady):
+            out.append(e)
+        elif _event_execution(e) in siblings and isinstance(d, (ExecutionStarted, ExecutionScored)):
             out.append(e)
         elif getattr(d, "query_id", None) in query_ids and _event_execution(e) is None:
             out.append(e)  # query.dispatched
@@ -159,10 +172,14 @@ def replay(events: Sequence[Event], get_blob: BlobGetter, selection: Selection =
     except LogError as exc:
         raise CorruptLog(str(exc)) from exc
     # Advantages for display: per query, over the group's scored executions.
+    complete_groups = {
+        q.query_id for q in log.queries.values()
+        if sum(1 for x in q.execution_ids if log.executions[x].reward is not None) >= q.group_size
+    }
     rewards = [
         ExecutionReward(s.execution_id, s.query_id, s.reward, s.timed_out)
         for s in log.executions.values()
-        if s.reward is not None and s.query_id is not None
+        if s.reward is not None and s.query_id in complete_groups
     ]
     advantages = compute_advantages(rewards).by_execution() if rewards else {}
     replays = []
@@ -283,11 +300,11 @@ def verify(events: Sequence[Event], get_blob: BlobGetter, selection: Selection =
             assert ba.rebuilt is not None and bb.rebuilt is not None
             found = batch_difference(ba.rebuilt, bb.rebuilt)
             raise found or ReplayDivergence(f"batch {ba.step}", "digest", ba.rebuilt_digest, bb.rebuilt_digest)
-    for b in first.batches:
-        if b.live is not None and b.rebuilt is not None and b.live_digest != b.rebuilt_digest:
-            found = batch_difference(b.live, b.rebuilt)
-            raise found or ReplayDivergence(f"batch {b.step} (live vs replay)", "digest", b.live_digest,
-                                            b.rebuilt_digest)
+    for batch in first.batches:
+        if batch.live is not None and batch.rebuilt is not None and batch.live_digest != batch.rebuilt_digest:
+            found = batch_difference(batch.live, batch.rebuilt)
+            raise found or ReplayDivergence(f"batch {batch.step} (live vs replay)", "digest", batch.live_digest,
+                                            batch.rebuilt_digest)
     return first
 
 

@@ -167,7 +167,7 @@ class TrajectoryTree:
     def stats(self) -> TreeStats:
         leaves = self.leaves()
         leaf_depths = self.depth[self.node_start[leaves] + self.node_len[leaves] - 1] + 1 if leaves.size else leaves
-        kinds = Counter(c.kind for c in self.calls if c.kind != "root")
+        kinds: Counter[str] = Counter(c.kind for c in self.calls if c.kind != "root")
         targets = self.num_targets
         return TreeStats(
             calls=len(self.calls),

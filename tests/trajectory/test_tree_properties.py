@@ -199,3 +199,18 @@ def test_digest_is_identical_across_processes() -> None:
         for seed in (1, 2)
     }
     assert len(digests) == 1 and next(iter(digests)).startswith("sha256:")
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(call_logs(), st.integers(1, 6))
+def test_cap_keeps_at_most_k_paths_and_drops_only_uncovered_targets(log: ExecutionLog, k: int) -> None:
+    tree = build_tree(log.execution_id, log.records)
+    result = cap_tree(tree, k)
+    capped = result.tree
+    assert capped.stats().trajectories == len(result.kept_leaves) <= k
+    assert result.kept_targets + result.dropped_targets == tree.num_targets
+    # the capped tree is exactly the union of the kept root-to-leaf paths of the original
+    kept_paths = {tuple(tree.tokens[tree.path_positions(leaf)].tolist()) for leaf in result.kept_leaves}
+    assert {tuple(capped.tokens[p].tolist()) for p in capped.trajectories()} == kept_paths
+    if k >= tree.stats().trajectories:
+        assert result.dropped_targets == 0
