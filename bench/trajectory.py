@@ -61,7 +61,7 @@ def text(rng: np.random.Generator, n: int) -> np.ndarray:
     return np.minimum(rng.zipf(1.15, n), VOCAB - 1).astype(np.int32)
 
 
-def synthesize(calls: int, seed: int) -> Writer:
+def synthesize(calls: int, seed: int, compact_at: int = COMPACT_AT) -> Writer:
     rng = np.random.default_rng(seed)
     w = Writer()
     system, task = text(rng, 2000), text(rng, 1000)
@@ -70,7 +70,7 @@ def synthesize(calls: int, seed: int) -> Writer:
     main_calls = 0
     while made < calls:
         roll = rng.random()
-        if context.shape[0] > COMPACT_AT:
+        if context.shape[0] > compact_at:
             # compaction: the context passed the harness's budget; restart from system, task and a summary
             context = np.concatenate([system, task, text(rng, 2500)])
             main_calls += 1
@@ -110,9 +110,10 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--compact-at", type=int, default=COMPACT_AT, help="context tokens that trigger compaction")
     args = parser.parse_args()
 
-    writer = synthesize(args.calls, args.seed)
+    writer = synthesize(args.calls, args.seed, args.compact_at)
     times = []
     tree = None
     for _ in range(args.repeats):
@@ -139,6 +140,7 @@ def main() -> None:
         "pack_s": round(pack_s, 4),
         "micro_batches": len(micro_batches),
         "micro_batch_budget": budget,
+        "compact_at": args.compact_at,
         "bench": "trajectory",
         "unique_tokens": stats.unique_tokens,
         "flat_tokens": stats.flat_tokens,
