@@ -8,6 +8,7 @@ running as an unprivileged uid with no capabilities, limited by rlimits, killed 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import shlex
 import shutil
@@ -110,27 +111,45 @@ def _sandbox_path(spec: SandboxSpec) -> str:
 
 
 class _UidPool:
-    """Hands out distinct unprivileged host uids so RLIMIT_NPROC (counted per uid) is per sandbox."""
+    """Hands out distinct unprivileged host uids so RLIMIT_NPROC (counted per uid) is per sandbox.
 
-    def __init__(self, base: int, size: int) -> None:
-        self._base, self._size = base, size
-        self._used: set[int] = set()
+    A uid is held through an flock on a lock file, so harness processes on one host never share one
+    (the post-command sweep kills everything running as the uid) and a crashed holder frees its uids.
+    """
+
+    def __init__(self, base: int, size: int, lock_dir: Path) -> None:
+        self._base, self._size, self._lock_dir = base, size, lock_dir
+        self._held: dict[int, int] = {}
         self._lock = threading.Lock()
 
     def acquire(self) -> int:
+        self._lock_dir.mkdir(parents=True, exist_ok=True)
         with self._lock:
             for uid in range(self._base, self._base + self._size):
-                if uid not in self._used:
-                    self._used.add(uid)
-                    return uid
+                if uid in self._held:
+                    continue
+                fd = os.open(self._lock_dir / f"{uid}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    os.close(fd)
+                    continue
+                self._held[uid] = fd
+                return uid
         raise SandboxError(f"all {self._size} sandbox uids from {self._base} are in use")
 
     def release(self, uid: int) -> None:
         with self._lock:
-            self._used.discard(uid)
+            fd = self._held.pop(uid, None)
+        if fd is not None:
+            os.close(fd)
 
 
-UID_POOL = _UidPool(base=int(os.environ.get("GYRE_SANDBOX_UID_BASE", "61000")), size=2048)
+UID_POOL = _UidPool(
+    base=int(os.environ.get("GYRE_SANDBOX_UID_BASE", "61000")),
+    size=2048,
+    lock_dir=Path(os.environ.get("GYRE_SANDBOX_UID_LOCKS", "/tmp/gyre-sandbox-uids")),
+)
 
 
 class GatewayBridge:
@@ -218,7 +237,7 @@ def _read_capped(path: Path, cap: int) -> tuple[str, bool]:
     return (first + marker + last).decode(errors="replace"), True
 
 
-Backend = Literal["bwrap", "unshare"]
+Backend = Literal["bwrap", "unshare", "docker"]
 
 
 class ProcessSandbox:
@@ -232,12 +251,8 @@ class ProcessSandbox:
         backend: Backend = "bwrap",
         gateway_url: str | None = None,
     ) -> None:
-        if os.geteuid() != 0:
-            raise SandboxUnavailableError("the process sandbox runs as root to switch to a sandbox uid")
-        tool = "bwrap" if backend == "bwrap" else "unshare"
-        if shutil.which(tool) is None or shutil.which("setpriv") is None or shutil.which("prlimit") is None:
-            raise SandboxUnavailableError(f"backend {backend!r} needs {tool}, setpriv and prlimit on PATH")
         self.backend: Backend = backend
+        self._check_available()
         self.spec = spec or SandboxSpec()
         self.state_dir = Path(state_dir).resolve()
         self._own_uid = self.spec.uid is None
@@ -247,6 +262,13 @@ class ProcessSandbox:
         self._exec_count = 0
         self._closed = False
         self._create_layout()
+
+    def _check_available(self) -> None:
+        if os.geteuid() != 0:
+            raise SandboxUnavailableError("the process sandbox runs as root to switch to a sandbox uid")
+        tool = "bwrap" if self.backend == "bwrap" else "unshare"
+        if shutil.which(tool) is None or shutil.which("setpriv") is None or shutil.which("prlimit") is None:
+            raise SandboxUnavailableError(f"backend {self.backend!r} needs {tool}, setpriv and prlimit on PATH")
 
     # --- layout ---------------------------------------------------------------------------------------
 
@@ -335,14 +357,7 @@ class ProcessSandbox:
         in_path = self.state_dir / ".exec" / f"{tag}.in"
         if stdin is not None:
             in_path.write_bytes(stdin)
-        inner = [*_drop_privileges_args(self.uid), *_rlimit_args(self.spec.limits), *argv]
-        match self.backend:
-            case "bwrap":
-                full = self._bwrap_argv(inner, full_env, cwd or self.workdir, gateway, binds)
-            case "unshare":
-                full = self._unshare_argv(inner, full_env, cwd or self.workdir, gateway, binds)
-            case other:
-                raise ValueError(f"unknown sandbox backend {other!r}")
+        full = self._full_argv(argv, full_env, cwd or self.workdir, gateway, binds, tag)
         started = time.monotonic()
         with out_path.open("wb") as out, err_path.open("wb") as err:
             stdin_file = in_path.open("rb") if stdin is not None else subprocess.DEVNULL
@@ -359,7 +374,7 @@ class ProcessSandbox:
 
             def on_deadline() -> None:
                 fired.set()
-                _kill_tree(proc.pid, exited, self.spec.kill_grace_s)
+                self._kill(proc.pid, exited, tag)
 
             timer = threading.Timer(timeout_s, on_deadline)
             timer.daemon = True
@@ -370,9 +385,7 @@ class ProcessSandbox:
             if fired.is_set():
                 timer.join()
             timed_out = fired.is_set()
-            # The PID namespace's teardown is asynchronous; the uid is this sandbox's alone, so anything
-            # still running as it is a leftover of this command.
-            _kill_uid(self.uid)
+            self._sweep(tag)
         duration = time.monotonic() - started
         stdout, cut_out = _read_capped(out_path, self.spec.max_output_bytes)
         stderr, cut_err = _read_capped(err_path, self.spec.max_output_bytes)
@@ -386,6 +399,24 @@ class ProcessSandbox:
             duration_s=duration,
             truncated=cut_out or cut_err,
         )
+
+    def _full_argv(self, argv: list[str], env: Mapping[str, str], cwd: str, gateway: bool, binds: Sequence[Bind], tag: str) -> list[str]:
+        inner = [*_drop_privileges_args(self.uid), *_rlimit_args(self.spec.limits), *argv]
+        match self.backend:
+            case "bwrap":
+                return self._bwrap_argv(inner, env, cwd, gateway, binds)
+            case "unshare":
+                return self._unshare_argv(inner, env, cwd, gateway, binds)
+            case other:
+                raise ValueError(f"unknown sandbox backend {other!r}")
+
+    def _kill(self, pgid: int, exited: threading.Event, tag: str) -> None:
+        _kill_tree(pgid, exited, self.spec.kill_grace_s)
+
+    def _sweep(self, tag: str) -> None:
+        # The PID namespace's teardown is asynchronous; the uid is this sandbox's alone, so anything
+        # still running as it is a leftover of this command.
+        _kill_uid(self.uid)
 
     def _ro_paths(self) -> list[str]:
         return [*_system_ro_paths(), *(p for p in self.spec.ro_paths if os.path.lexists(p))]
@@ -547,14 +578,15 @@ def available_backends() -> list[Backend]:
     found: list[Backend] = []
     if os.geteuid() != 0:
         return found
-    for backend in ("bwrap", "unshare"):
+    candidates: tuple[Backend, ...] = ("bwrap", "unshare")
+    for backend in candidates:
         try:
-            probe = ProcessSandbox(Path(f"/tmp/gyre-probe-{os.getpid()}-{backend}"), backend=backend)  # type: ignore[arg-type]
+            probe = ProcessSandbox(Path(f"/tmp/gyre-probe-{os.getpid()}-{backend}"), backend=backend)
         except SandboxUnavailableError:
             continue
         try:
             if probe.exec("true", timeout_s=20).ok:
-                found.append(backend)  # type: ignore[arg-type]
+                found.append(backend)
         finally:
             probe.close(remove=True)
     return found

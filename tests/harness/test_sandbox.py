@@ -176,3 +176,25 @@ def test_output_is_capped_keeping_head_and_tail(tmp_path: Path, backend: str) ->
         assert len(result.stdout) < 5000
     finally:
         box.close(remove=True)
+
+
+def test_concurrent_sandboxes_get_distinct_uids(tmp_path: Path, backend: str) -> None:
+    boxes = [ProcessSandbox(tmp_path / f"b{i}", SandboxSpec(), backend=backend) for i in range(3)]  # type: ignore[arg-type]
+    try:
+        assert len({box.uid for box in boxes}) == 3
+        assert all(box.uid != 0 for box in boxes)
+    finally:
+        for box in boxes:
+            box.close(remove=True)
+
+
+def test_uid_locks_exclude_other_processes(tmp_path: Path) -> None:
+    from services.harness.sandbox import _UidPool
+
+    first = _UidPool(base=70000, size=2, lock_dir=tmp_path / "locks")
+    second = _UidPool(base=70000, size=2, lock_dir=tmp_path / "locks")
+    a = first.acquire()
+    b = second.acquire()
+    assert a != b
+    first.release(a)
+    assert second.acquire() == a

@@ -1,0 +1,90 @@
+"""Docker backend of the sandbox: one `docker run --rm` per command over the same state folder, no network.
+
+Used where a Docker engine answers; the process sandbox (sandbox.py) is the default everywhere else.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from services.harness.sandbox import (
+    _AREAS,
+    GYRE_RUN_DIR,
+    Bind,
+    ProcessSandbox,
+    SandboxSpec,
+    SandboxUnavailableError,
+)
+
+DEFAULT_IMAGE = "python:3.11-slim"
+
+
+def docker_engine_available(timeout_s: float = 10.0) -> bool:
+    """True when a Docker client is installed and its engine answers."""
+    if shutil.which("docker") is None:
+        return False
+    try:
+        probe = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return probe.returncode == 0 and bool(probe.stdout.strip())
+
+
+class DockerSandbox(ProcessSandbox):
+    """Same layout and API as ProcessSandbox; each command is a fresh container from `image`."""
+
+    def __init__(
+        self,
+        state_dir: Path | str,
+        spec: SandboxSpec | None = None,
+        *,
+        image: str = DEFAULT_IMAGE,
+        gateway_url: str | None = None,
+    ) -> None:
+        self.image = image
+        super().__init__(state_dir, spec, backend="docker", gateway_url=gateway_url)
+
+    def _check_available(self) -> None:
+        if not docker_engine_available():
+            raise SandboxUnavailableError("no Docker engine on this machine")
+
+    def _container(self, tag: str) -> str:
+        return f"gyre-{self.state_dir.name}-{tag}".replace("/", "-")[:120]
+
+    def _full_argv(self, argv: list[str], env: Mapping[str, str], cwd: str, gateway: bool, binds: Sequence[Bind], tag: str) -> list[str]:
+        limits = self.spec.limits
+        args = ["docker", "run", "--rm", "--name", self._container(tag), "--network", "none", "--init"]
+        args += ["--user", f"{self.uid}:{self.uid}", "--cap-drop", "ALL", "--security-opt", "no-new-privileges", "--read-only"]
+        if limits.max_processes is not None:
+            args += ["--pids-limit", str(limits.max_processes)]
+        if limits.memory_bytes is not None:
+            args += ["--memory", str(limits.memory_bytes)]
+        if limits.cpu_seconds is not None:
+            args += ["--ulimit", f"cpu={limits.cpu_seconds}"]
+        if limits.file_size_bytes is not None:
+            args += ["--ulimit", f"fsize={limits.file_size_bytes}"]
+        if limits.open_files is not None:
+            args += ["--ulimit", f"nofile={limits.open_files}"]
+        for name, mount in [("work", self.workdir), *_AREAS.items()]:
+            args += ["-v", f"{self.state_dir / name}:{mount}:rw"]
+        for bind in binds:
+            args += ["-v", f"{bind.host}:{bind.inside}:{'ro' if bind.read_only else 'rw'}"]
+        if gateway:
+            # The image needs python3 for the relay, which listens on the container's own loopback.
+            args += ["-v", f"{self.state_dir / '.run'}:{GYRE_RUN_DIR}:ro"]
+        for key, value in env.items():
+            if key != "PATH":  # the image's own PATH: the host's Python is not inside
+                args += ["-e", f"{key}={value}"]
+        args += ["-w", cwd, self.image]
+        return [*args, *argv]
+
+    def _kill(self, pgid: int, exited: threading.Event, tag: str) -> None:
+        # Killing the client does not stop the container; the engine does.
+        subprocess.run(["docker", "kill", "--signal", "KILL", self._container(tag)], capture_output=True, timeout=60)
+
+    def _sweep(self, tag: str) -> None:
+        subprocess.run(["docker", "rm", "-f", self._container(tag)], capture_output=True, timeout=60)
