@@ -1,0 +1,43 @@
+"""Execution plumbing around the agent: crash recovery grades preserved work; setup failures are named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.harness.execution import grade_preserved
+from services.harness.sandbox import make_sandbox
+from services.harness.taskrun import TaskSetupError, prepare, sandbox_spec_for
+from services.harness.tasks import load_task
+
+from .test_agent_loop import partial_task
+
+
+def test_work_preserved_by_a_crashed_execution_is_graded_on_reattach(tmp_path: Path, best_backend: str) -> None:
+    task = load_task(partial_task(tmp_path / "task"))
+    state = tmp_path / "execution-crashed"
+    box = make_sandbox(state, sandbox_spec_for(task), backend=best_backend)
+    prepare(task, box)
+    assert box.exec("echo A > a.txt", timeout_s=60).ok
+    box.close()  # the service died here: no grade, but the state folder stays
+    graded = grade_preserved(task, state, backend=best_backend)
+    assert graded.score == 0.5 and graded.passed == 1
+
+
+def test_grading_a_missing_state_folder_is_a_named_error(tmp_path: Path, best_backend: str) -> None:
+    task = load_task(partial_task(tmp_path / "task"))
+    with pytest.raises(FileNotFoundError, match="work/"):
+        grade_preserved(task, tmp_path / "never-ran", backend=best_backend)
+
+
+def test_failing_setup_script_stops_the_task_with_its_output(tmp_path: Path, best_backend: str) -> None:
+    root = partial_task(tmp_path / "task")
+    (root / "setup.sh").write_text("echo 'cannot build fixture' >&2\nexit 3\n")
+    task = load_task(root)
+    box = make_sandbox(tmp_path / "state", sandbox_spec_for(task), backend=best_backend)
+    try:
+        with pytest.raises(TaskSetupError, match="cannot build fixture"):
+            prepare(task, box)
+    finally:
+        box.close(remove=True)
