@@ -88,6 +88,11 @@ class TrajectoryService(Service):
         except LogError as exc:
             self.log.error("log_inconsistent", error=str(exc), event_id=str(event.event_id))
             return
+        if isinstance(event.data, BatchReady):
+            # The step is done: its trees are no longer needed in memory (replay rebuilds them from the log).
+            for execution_id in self.run_log.step_execution_ids(event.data.step):
+                self.trees.pop(execution_id, None)
+            return
         execution_id = getattr(event.data, "execution_id", None)
         if execution_id is not None:
             await self._maybe_build(execution_id)
