@@ -128,7 +128,9 @@ class Trainer:
     @classmethod
     def build(cls, model_dir: Path, mesh: DeviceMesh, config: TrainerConfig) -> Trainer:
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
 
+        hf_logging.disable_progress_bar()  # services log JSON; a progress bar on stderr is noise
         torch.manual_seed(config.seed)
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
         model.to(torch.device(mesh.device_type))

@@ -1,0 +1,65 @@
+"""`gyre train …` commands (the lead mounts `train_app`); each process is one trainer rank."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from services.trainer.distributed import GroupSpec
+from services.trainer.engine import TrainerConfig
+from services.trainer.loss import GspoConfig
+from services.trainer.runner import SftOptions, run_sft, run_step
+
+train_app = typer.Typer(help="Train: supervised warm-start and GSPO steps (FSDP2 over the train cells).")
+
+
+@train_app.command("sft")
+def sft(
+    model: Path = typer.Option(..., help="Hugging Face model directory to start from"),
+    data: Path = typer.Option(..., help="JSONL of conversations ({'messages': [...]} per line)"),
+    out: Path = typer.Option(..., help="where to write the fine-tuned model directory"),
+    epochs: int = typer.Option(1),
+    lr: float = typer.Option(1e-3),
+    conversations_per_step: int = typer.Option(8),
+    micro_batch_tokens: int = typer.Option(4096),
+    precision: str = typer.Option("auto", help="auto, fp32 or bf16"),
+) -> None:
+    """Cross-entropy on assistant turns, tree-packed, sharded over RANK/WORLD_SIZE (torchrun) or one process."""
+    history = run_sft(
+        model,
+        data,
+        out,
+        GroupSpec.from_env(),
+        TrainerConfig(lr=lr, precision=precision),  # type: ignore[arg-type]
+        SftOptions(epochs=epochs, conversations_per_step=conversations_per_step, micro_batch_tokens=micro_batch_tokens),
+    )
+    if GroupSpec.from_env().rank == 0:
+        typer.echo(json.dumps({"steps": len(history), "first_loss": history[0]["loss"], "last_loss": history[-1]["loss"]}))
+
+
+@train_app.command("run-step")
+def run_step_cmd(
+    model: Path = typer.Option(..., help="base model directory (architecture, initial weights)"),
+    batch: Path = typer.Option(..., help="an encoded TrainingBatch (shared/batch.py)"),
+    checkpoints: Path = typer.Option(..., help="checkpoint root shared by all ranks"),
+    weights_out: Path = typer.Option(None, help="write the new safetensors weights here (rank 0)"),
+    lr: float = typer.Option(1e-6),
+    eps_low: float = typer.Option(3e-4),
+    eps_high: float = typer.Option(4e-4),
+    is_cap: float = typer.Option(2.0),
+    recompute_old_logprobs: bool = typer.Option(False),
+    precision: str = typer.Option("auto"),
+) -> None:
+    """Resume from the latest checkpoint, train one GSPO step on the batch, checkpoint; prints the metrics."""
+    config = TrainerConfig(
+        lr=lr,
+        precision=precision,  # type: ignore[arg-type]
+        loss=GspoConfig(eps_low=eps_low, eps_high=eps_high, is_cap=is_cap),
+        recompute_old_logprobs=recompute_old_logprobs,
+    )
+    spec = GroupSpec.from_env()
+    result = run_step(model, batch, checkpoints, spec, config, weights_out)
+    if spec.rank == 0:
+        typer.echo(json.dumps(result, sort_keys=True))
