@@ -108,6 +108,8 @@ class TrajectoryService(Service):
         state = self.run_log.executions.get(execution_id)
         if state is None or execution_id in self.trees or not (state.ended and state.has_all_calls):
             return
+        if state.step is not None and state.step in self.run_log.batches:
+            return  # its step's batch is already committed
         refs = self.run_log.blob_refs([execution_id])
         await self._get_blobs(refs)
         try:
