@@ -297,3 +297,19 @@ def test_zero_variance_group_is_left_out_of_the_batch_when_dropping() -> None:
     batch = build_training_batch(0, inputs, budget=64, cap_k=4, drop_zero_variance=True)
     assert batch.executions == [] and batch.micro_batches == []
     assert batch.meta["zero_variance_groups"] == 1 and batch.meta["dropped_executions"] == 2
+
+
+def test_stale_execution_is_left_out_but_its_reward_still_normalises_the_group() -> None:
+    fresh_log = ExecutionLog("fresh")
+    fresh_log.call(SYS + [ASSIST], [1, 2], policy_version=5)
+    stale_log = ExecutionLog("stale")
+    stale_log.call(SYS + [ASSIST], [3, 4], policy_version=2)
+    inputs = [
+        ExecutionInput("fresh", "q", build_tree("fresh", fresh_log.records), 1.0, sample_index=0),
+        ExecutionInput("stale", "q", build_tree("stale", stale_log.records), 0.0, sample_index=1),
+    ]
+    batch = build_training_batch(6, inputs, budget=64, cap_k=2, min_policy_version=6 - 1)
+    assert [e.execution_id for e in batch.executions] == ["fresh"]
+    assert batch.meta["stale_executions"] == 1
+    assert batch.executions[0].advantage == pytest.approx(1.0, rel=1e-5)  # normalised with the stale reward
+    assert set(np.concatenate([mb.policy_version for mb in batch.micro_batches]).tolist()) == {5}
