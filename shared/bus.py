@@ -151,20 +151,24 @@ class Bus:
         return not ack.duplicate
 
     async def publish_many(self, events: Sequence[Event]) -> int:
-        """Publish concurrently and wait for every ack; returns how many were new (not duplicates)."""
-        acks = await asyncio.gather(
-            *(
-                self.js.publish(self.subject(e.type), e.to_json(), headers={"Nats-Msg-Id": str(e.event_id)})
-                for e in events
-            )
-        )
-        return sum(1 for a in acks if not a.duplicate)
+        """Publish pipelined and wait for every ack; returns how many were new (not duplicates)."""
+        return await self.publish_payloads([(e.type, e.to_json(), str(e.event_id)) for e in events])
 
-    async def publish_payloads(self, items: Sequence[tuple[str, bytes, str]]) -> int:
-        """Publish (event_type, payload, event_id) triples concurrently; returns how many were new."""
-        acks = await asyncio.gather(
-            *(self.js.publish(self.subject(t), p, headers={"Nats-Msg-Id": i}) for t, p, i in items)
-        )
+    async def publish_payloads(
+        self, items: Sequence[tuple[str, bytes, str]], *, ack_timeout_s: float = 10.0
+    ) -> int:
+        """Publish (event_type, payload, event_id) triples pipelined on one reply subscription and wait for
+        every ack (bounded: a server that dies mid-batch raises, and the caller re-sends; dedup absorbs it).
+        Returns how many were new."""
+        futures = [
+            await self.js.publish_async(self.subject(t), p, headers={"Nats-Msg-Id": i}) for t, p, i in items
+        ]
+        try:
+            acks = await asyncio.wait_for(asyncio.gather(*futures), ack_timeout_s)
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
         return sum(1 for a in acks if not a.duplicate)
 
     async def publish_raw(self, subject: str, payload: bytes, *, msg_id: str | None = None) -> None:

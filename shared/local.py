@@ -233,7 +233,7 @@ def _reachable(url: str) -> bool:
 
 
 def down(state_dir: Path) -> list[str]:
-    stopped = []
+    stopped: list[str] = []
     endpoints = read_endpoints(state_dir)
     if endpoints is None:
         return stopped
