@@ -90,11 +90,11 @@ class TrajectoryService(Service):
             return
         if isinstance(event.data, BatchReady):
             # The step is done: its trees are no longer needed in memory (replay rebuilds them from the log).
-            for execution_id in self.run_log.step_execution_ids(event.data.step):
-                self.trees.pop(execution_id, None)
+            for done in self.run_log.step_execution_ids(event.data.step):
+                self.trees.pop(done, None)
             return
         execution_id = getattr(event.data, "execution_id", None)
-        if execution_id is not None:
+        if isinstance(execution_id, str):
             await self._maybe_build(execution_id)
         await self._emit_ready(tx, cause=event)
 

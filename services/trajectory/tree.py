@@ -154,8 +154,10 @@ class TrajectoryTree:
     def call_positions(self, call_index: int) -> np.ndarray:
         """Token indices of one call's full sequence (prompt ⊕ completion), root first."""
         placement = self.calls[call_index]
-        if placement.end_node < 0:
+        if placement.end_depth == 0:
             return np.zeros(0, dtype=np.int32)
+        if placement.end_node < 0:
+            raise ValueError(f"call {call_index} ends outside this tree (its path was removed by the cap)")
         return self.path_positions(placement.end_node, placement.end_depth)
 
     def trajectories(self) -> list[np.ndarray]:
@@ -331,7 +333,8 @@ class TreeBuilder:
         upper.children[int(node.tokens[0])] = node
         return upper
 
-    def add(self, record: CallRecord) -> CallPlacement:
+    def add(self, record: CallRecord) -> None:
+        """Insert the next call (call_index order); its placement is final only after `finish()`."""
         index = len(self._ends)
         if record.call_index != index:
             raise TreeBuildError(
@@ -371,7 +374,6 @@ class TreeBuilder:
             self._classify(record, index, matched_len=depth + matched, end_depth=end_depth)
         )
         self._chain_head[record.chain_id] = index
-        return self._placements_to_obj(index, end_node_index=-1)
 
     def _insert(
         self,
