@@ -80,3 +80,20 @@ async def test_replay_reads_postgres_and_never_writes(store, infra: Infra, monke
     exported = import_text(out.read_text())
     assert sorted(str(e.event_id) for e in exported.events) == sorted(str(e.event_id) for e in log.events)
     assert json.loads(out.read_text().splitlines()[0])["format"] == "gyre-execution-log"
+
+
+async def test_replay_of_a_corrupted_blob_in_postgres_fails_loudly(store, infra: Infra, monkeypatch) -> None:
+    import sqlalchemy as sa
+
+    log = import_text((GOLDEN / "drift.jsonl").read_text())
+    for data in log.blobs.values():
+        await store.put_blob(data)
+    await store.append(log.events)
+    victim = next(iter(log.blobs))
+    async with store.engine.begin() as conn:
+        await conn.execute(sa.text("UPDATE blobs SET data = :d WHERE digest = :g"), {"d": b"garbage", "g": victim})
+    monkeypatch.setenv("GYRE_DATABASE_URL", infra.database_url)
+    monkeypatch.setenv("GYRE_NATS_URL", infra.nats_url)
+    monkeypatch.setenv("GYRE_DB_SCHEMA", store.schema or "")
+    result = await asyncio.to_thread(invoke, "--execution", "golden-drift", "--verify")
+    assert result.exit_code == EXIT_BAD_LOG and "corrupted log" in result.output
