@@ -10,7 +10,8 @@ import hashlib
 import json
 import uuid
 import zlib
-from collections.abc import AsyncIterator, Iterable, Sequence
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,6 +199,11 @@ class Transaction:
         self.store = store
         self.connection = connection
         self._pending: list[tuple[list[Event], ExpectedVersion]] = []
+        self._after_commit: list[Callable[[], Any]] = []
+
+    def after_commit(self, callback: Callable[[], Any]) -> None:
+        """Run `callback` once the transaction has committed (e.g. start work the commit made durable)."""
+        self._after_commit.append(callback)
 
     def append(self, events: Sequence[Event], *, expected_version: ExpectedVersion = None) -> None:
         self._pending.append((list(events), expected_version))
@@ -235,8 +241,6 @@ class EventStore:
     @classmethod
     async def connect(cls, url: str, *, schema: str | None = None, migrate: bool = False, pool_size: int = 5) -> EventStore:
         if migrate:
-            import asyncio
-
             await asyncio.to_thread(run_migrations, url, schema)
         connect_args: dict[str, Any] = {}
         if schema:
@@ -264,6 +268,10 @@ class EventStore:
                 tx = Transaction(self, conn)
                 yield tx
                 await tx._flush()
+        for callback in tx._after_commit:
+            result = callback()
+            if asyncio.iscoroutine(result):
+                await result
 
     # ---- events ----
 

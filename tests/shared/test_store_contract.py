@@ -199,3 +199,21 @@ async def test_raw_reads_parse_back_to_the_same_events(es: EventStore):
     raw = await es.read_after_raw(0)
     assert [parse_event(r.payload) for r in raw] == events
     assert [r.position for r in raw] == [s.position for s in await es.read_after(0)]
+
+
+async def test_after_commit_callbacks_run_only_after_a_commit(es: EventStore):
+    ran: list[str] = []
+    async with es.transaction() as tx:
+        tx.after_commit(lambda: ran.append("sync"))
+
+        async def later() -> None:
+            ran.append("async")
+
+        tx.after_commit(later)
+        assert ran == []
+    assert ran == ["sync", "async"]
+    with pytest.raises(RuntimeError):
+        async with es.transaction() as tx:
+            tx.after_commit(lambda: ran.append("never"))
+            raise RuntimeError("rolled back")
+    assert ran == ["sync", "async"]

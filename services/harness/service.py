@@ -1,0 +1,273 @@
+"""The harness service shell: turns `query.dispatched` into G executions, runs them concurrently up to a
+limit, and reports their lives as events (started, branched, finished / timed_out, scored).
+
+Executions are announced (`execution.started`) in the same transaction that records the dispatch as
+processed, and launched only after it commits. After a crash, `recover` finds executions that started but
+never ended, marks them timed out (`budget="crash"`) and grades the work preserved in their sandboxes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from services.harness.agent import AgentConfig, Budget
+from services.harness.agent_core import Branch
+from services.harness.execution import AgentStopped, BuiltinHarness, Harness, grade_preserved, run_execution
+from services.harness.external import GatewayAccess
+from services.harness.tasks import Task, TaskFormatError, load_task
+from shared.events import (
+    Event,
+    EventData,
+    ExecutionBranched,
+    ExecutionFinished,
+    ExecutionScored,
+    ExecutionStarted,
+    ExecutionTimedOut,
+    QueryDispatched,
+    stream_id_for,
+)
+from shared.runtime import Service
+from shared.settings import Settings
+from shared.store import Transaction
+
+END_TYPES = ("execution.finished", "execution.timed_out")
+
+
+class HarnessSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="GYRE_HARNESS_", extra="ignore")
+
+    tasks_dir: Path = Path("tasks")
+    work_dir: Path = Path(".gyre/executions")
+    gateway_url: str = "http://127.0.0.1:8080"
+    gateway_admin_token: str = ""
+    model_name: str = "gyre"
+    concurrency: int = 2
+    harness: Literal["builtin", "claude-code"] = "builtin"
+    claude_code_dir: Path = Path(".cache/claude-code")
+    wall_budget_s: float | None = None
+    call_budget: int | None = None
+    max_tokens: int = 256
+    compact_at_tokens: int = 6000
+    backend: str = "auto"
+
+
+def execution_id_for(query_id: str, sample_index: int) -> str:
+    """Deterministic, so a redelivered dispatch names the same executions."""
+    return f"{query_id}-s{sample_index}"
+
+
+class HarnessService(Service):
+    name = "harness"
+
+    def __init__(self, settings: Settings | None = None, harness: HarnessSettings | None = None) -> None:
+        super().__init__(settings)
+        self.h = harness or HarnessSettings()
+        self._slots = asyncio.Semaphore(self.h.concurrency)
+        self._running: dict[str, asyncio.Task[None]] = {}
+        self._http: httpx.AsyncClient | None = None
+        self._task_cache: dict[str, Task] = {}
+
+    async def setup(self) -> None:
+        self._http = httpx.AsyncClient(timeout=30)
+        await self.recover()
+        self.on(["query.dispatched"], self.dispatch)
+
+    async def teardown(self) -> None:
+        for task in self._running.values():
+            task.cancel()
+        if self._http is not None:
+            await self._http.aclose()
+
+    def health(self) -> dict[str, Any]:
+        return {"running_executions": len(self._running)}
+
+    # ---- tasks ----
+
+    def task(self, task_id: str) -> Task:
+        if task_id not in self._task_cache:
+            path = self.h.tasks_dir / task_id
+            if not path.is_dir():
+                raise TaskFormatError(path, None, f"no such task folder for task_id {task_id!r}")
+            self._task_cache[task_id] = load_task(path)
+        return self._task_cache[task_id]
+
+    def harness_config(self) -> Harness:
+        if self.h.harness == "claude-code":
+            from services.harness.external import claude_code
+
+            return claude_code(self.h.claude_code_dir, self.h.model_name)
+        return BuiltinHarness(
+            agent=AgentConfig(
+                model=self.h.model_name, max_tokens=self.h.max_tokens, compact_at_tokens=self.h.compact_at_tokens
+            )
+        )
+
+    # ---- dispatch ----
+
+    async def dispatch(self, event: Event, tx: Transaction) -> None:
+        q = event.data
+        assert isinstance(q, QueryDispatched)
+        self.task(q.task_id)  # a bad task id fails here, before anything is announced
+        for index, seed in enumerate(q.seeds):
+            execution_id = execution_id_for(q.query_id, index)
+            started = ExecutionStarted(
+                execution_id=execution_id,
+                query_id=q.query_id,
+                task_id=q.task_id,
+                group_size=q.group_size,
+                sample_index=index,
+                seed=seed,
+                step=q.step,
+                harness=q.harness if q.harness != "builtin" else self.h.harness,
+                policy_version=q.policy_version,
+                wall_budget_s=self.h.wall_budget_s,
+                call_budget=self.h.call_budget,
+            )
+            tx.append([self.event(started, stream_id=stream_id_for("execution", execution_id), cause=event)],
+                      expected_version="any")
+            tx.after_commit(_bind(self._launch, started, event))
+
+    def _launch(self, started: ExecutionStarted, cause: Event) -> None:
+        if started.execution_id in self._running:
+            return
+        task = asyncio.ensure_future(self._run(started, cause))
+        self._running[started.execution_id] = task
+        task.add_done_callback(lambda _: self._running.pop(started.execution_id, None))
+
+    async def _register(self, execution_id: str) -> str:
+        assert self._http is not None
+        headers = {"x-api-key": self.h.gateway_admin_token} if self.h.gateway_admin_token else {}
+        response = await self._http.post(
+            f"{self.h.gateway_url}/internal/executions", json={"execution_id": execution_id}, headers=headers
+        )
+        response.raise_for_status()
+        return str(response.json()["token"])
+
+    async def _run(self, started: ExecutionStarted, cause: Event) -> None:
+        execution_id = started.execution_id
+        stream = stream_id_for("execution", execution_id)
+        loop = asyncio.get_running_loop()
+        log = self.log.bind(execution_id=execution_id, query_id=started.query_id)
+        async with self._slots:
+            t0 = time.monotonic()
+            try:
+                token = await self._register(execution_id)
+            except httpx.HTTPError as exc:
+                log.error("gateway_registration_failed", error=str(exc))
+                await self._emit(ExecutionTimedOut(execution_id=execution_id, budget="crash", elapsed_s=0, calls=0),
+                                 stream, cause)
+                await self._emit(self._zero_score(started, "gateway unreachable"), stream, cause)
+                return
+            service = self
+
+            class Observer:
+                def branched(self, branch: Branch) -> None:
+                    data = ExecutionBranched(
+                        execution_id=execution_id, kind=branch.kind, at_call_index=branch.at_call_index,
+                        from_call_index=branch.from_call_index, chain_id=branch.chain, reason=branch.reason,
+                    )
+                    asyncio.run_coroutine_threadsafe(service._emit(data, stream, cause), loop).result()
+
+                def agent_stopped(self, stopped: AgentStopped) -> None:
+                    asyncio.run_coroutine_threadsafe(
+                        service._emit(_ended(execution_id, stopped), stream, cause), loop
+                    ).result()
+
+            budget = Budget(wall_clock_s=self.h.wall_budget_s, max_calls=self.h.call_budget)
+            try:
+                result = await asyncio.to_thread(
+                    run_execution,
+                    execution_id=execution_id,
+                    task=self.task(started.task_id),
+                    harness=self.harness_config(),
+                    gateway=GatewayAccess(base_url=self.h.gateway_url, token=token, model=self.h.model_name),
+                    state_dir=self.h.work_dir / execution_id,
+                    budget=budget,
+                    backend=self.h.backend,
+                    observer=Observer(),
+                )
+            except Exception as exc:
+                log.exception("execution_failed", error=str(exc))
+                await self._emit(
+                    ExecutionTimedOut(execution_id=execution_id, budget="crash",
+                                      elapsed_s=time.monotonic() - t0, calls=0), stream, cause)
+                await self._emit(self._zero_score(started, str(exc)), stream, cause)
+                return
+            grade = result.grade
+            await self._emit(
+                ExecutionScored(
+                    execution_id=execution_id, query_id=started.query_id, reward=grade.score,
+                    tests_passed=grade.passed, tests_total=len(grade.tests),
+                    timed_out=result.stopped.status == "timed_out",
+                ),
+                stream, cause,
+            )
+            log.info("execution_scored", reward=grade.score, status=result.stopped.status)
+
+    def _zero_score(self, started: ExecutionStarted, reason: str) -> ExecutionScored:
+        self.log.warning("execution_scored_zero", execution_id=started.execution_id, reason=reason)
+        return ExecutionScored(execution_id=started.execution_id, query_id=started.query_id, reward=0.0,
+                               tests_passed=0, tests_total=0, timed_out=True)
+
+    async def _emit(self, data: EventData, stream: str, cause: Event | None) -> None:
+        await self.emit([self.event(data, stream_id=stream, cause=cause)], expected_version="any")
+
+    # ---- recovery ----
+
+    async def recover(self) -> None:
+        """Executions this run started but never ended are timed out ('crash') and graded on what they left."""
+        assert self.store is not None
+        types = ["execution.started", *END_TYPES, "execution.scored"]
+        started: dict[str, ExecutionStarted] = {}
+        ended: set[str] = set()
+        scored: set[str] = set()
+        for stored in await self.store.read_all(types=types, run_id=self.settings.run_id):
+            data = stored.event.data
+            match stored.event.type:
+                case "execution.started":
+                    assert isinstance(data, ExecutionStarted)
+                    started[data.execution_id] = data
+                case "execution.finished" | "execution.timed_out":
+                    ended.add(data.execution_id)  # type: ignore[attr-defined]
+                case "execution.scored":
+                    scored.add(data.execution_id)  # type: ignore[attr-defined]
+        for execution_id, s in started.items():
+            if execution_id in scored:
+                continue
+            stream = stream_id_for("execution", execution_id)
+            if execution_id not in ended:
+                await self._emit(ExecutionTimedOut(execution_id=execution_id, budget="crash", elapsed_s=0, calls=0),
+                                 stream, None)
+            state_dir = self.h.work_dir / execution_id
+            try:
+                grade = await asyncio.to_thread(grade_preserved, self.task(s.task_id), state_dir, backend=self.h.backend)
+            except (FileNotFoundError, TaskFormatError) as exc:
+                await self._emit(self._zero_score(s, f"nothing preserved: {exc}"), stream, None)
+                continue
+            await self._emit(
+                ExecutionScored(execution_id=execution_id, query_id=s.query_id, reward=grade.score,
+                                tests_passed=grade.passed, tests_total=len(grade.tests), timed_out=True),
+                stream, None,
+            )
+            self.log.info("recovered_execution", execution_id=execution_id, reward=grade.score)
+
+
+def _bind(fn: Any, *args: Any) -> Any:
+    return lambda: fn(*args)
+
+
+def _ended(execution_id: str, stopped: AgentStopped) -> EventData:
+    if stopped.status == "timed_out":
+        return ExecutionTimedOut(
+            execution_id=execution_id, budget=stopped.budget or "wall_clock",
+            elapsed_s=stopped.elapsed_s, calls=stopped.calls,
+        )
+    return ExecutionFinished(
+        execution_id=execution_id, elapsed_s=stopped.elapsed_s, calls=stopped.calls, stop_reason=stopped.stop_reason
+    )

@@ -1,0 +1,123 @@
+"""The harness service on real NATS and PostgreSQL: query.dispatched in, execution events out, crash recovery."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from services.harness.service import HarnessService, HarnessSettings, execution_id_for
+from shared.events import QueryDispatched, new_event
+from shared.relay import OutboxRelay
+from shared.runtime import utcnow
+from shared.settings import Settings
+from tests.conftest import Infra, unique
+from tests.harness.scripted_server import ScriptedAnthropicServer, shell, submit
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def gateway(script: list[Any]) -> ScriptedAnthropicServer:
+    server = ScriptedAnthropicServer(script)
+    tokens: list[str] = []
+
+    @server.app.post("/internal/executions")
+    async def register(request: Request) -> JSONResponse:
+        body = await request.json()
+        tokens.append(body["execution_id"])
+        return JSONResponse({"execution_id": body["execution_id"], "token": f"tok-{body['execution_id']}-0123456789"})
+
+    server.registered = tokens  # type: ignore[attr-defined]
+    return server.start()
+
+
+def service(infra: Infra, store, bus, tmp_path: Path, server: ScriptedAnthropicServer, run_id: str) -> HarnessService:
+    settings = Settings(
+        database_url=infra.database_url, nats_url=infra.nats_url, db_schema=store.schema,
+        subject_prefix=bus.prefix, run_id=run_id, ack_wait_s=30,
+    )
+    h = HarnessSettings(
+        tasks_dir=REPO / "tasks", work_dir=tmp_path / "executions", gateway_url=server.base_url,
+        model_name="scripted-model", concurrency=1, wall_budget_s=60,
+    )
+    return HarnessService(settings, h)
+
+
+async def wait_for_types(store, run_id: str, wanted: dict[str, int], timeout: float = 120) -> list:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        events = [s.event for s in await store.read_all(run_id=run_id)]
+        counts = {t: sum(1 for e in events if e.type == t) for t in wanted}
+        if all(counts[t] >= n for t, n in wanted.items()):
+            return events
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {wanted}; have {counts}")
+        await asyncio.sleep(0.2)
+
+
+async def test_a_dispatched_query_runs_its_group_and_scores_each_execution(store, bus, infra: Infra, tmp_path):
+    run_id = unique("run-")
+    server = gateway([shell("printf 'hello world\\n' > /app/hello.txt"), submit(), submit()])
+    svc = service(infra, store, bus, tmp_path, server, run_id)
+    stop = asyncio.Event()
+    relay = OutboxRelay(store, bus, dsn=infra.database_url, idle_wait_s=0.1)
+    relay_task = asyncio.create_task(relay.run(stop))
+    try:
+        await svc.start()
+        dispatch = new_event(
+            QueryDispatched(query_id="q1", task_id="create-file-1", group_size=2, seeds=[11, 12], step=0, policy_version=0),
+            run_id=run_id, stream_id="query-q1", version=1, occurred_at=utcnow(),
+        )
+        await store.append([dispatch])
+        events = await wait_for_types(store, run_id, {"execution.started": 2, "execution.finished": 2, "execution.scored": 2})
+    finally:
+        await svc.stop()
+        stop.set()
+        await relay_task
+        server.stop()
+    scored = {e.data.execution_id: e.data for e in events if e.type == "execution.scored"}
+    assert scored[execution_id_for("q1", 0)].reward == 1.0
+    assert scored[execution_id_for("q1", 1)].reward < 1.0
+    started = [e.data for e in events if e.type == "execution.started"]
+    assert [(s.sample_index, s.seed, s.group_size) for s in started] == [(0, 11, 2), (1, 12, 2)]
+    assert server.registered == [execution_id_for("q1", 0), execution_id_for("q1", 1)]  # type: ignore[attr-defined]
+    # Every request carried its own execution's token.
+    assert {h["authorization"] for h in server.headers} == {
+        f"Bearer tok-{execution_id_for('q1', i)}-0123456789" for i in (0, 1)
+    }
+    for e in events:  # events of one execution share its stream, in order
+        if e.type.startswith("execution."):
+            assert e.stream_id == f"execution-{e.data.execution_id}"
+
+
+async def test_restart_marks_unfinished_executions_timed_out_and_grades_preserved_work(store, bus, infra, tmp_path):
+    from shared.events import ExecutionStarted
+
+    run_id = unique("run-")
+    server = gateway([])
+    work = tmp_path / "executions"
+    # Two executions were running when the harness died: one had written the answer, one had not started.
+    done_id, empty_id = "qc-s0", "qc-s1"
+    (work / done_id / "work").mkdir(parents=True)
+    (work / done_id / "work" / "hello.txt").write_text("hello world\n")
+    for i, eid in enumerate((done_id, empty_id)):
+        await store.append([new_event(
+            ExecutionStarted(execution_id=eid, query_id="qc", task_id="create-file-1", group_size=2, sample_index=i, seed=i),
+            run_id=run_id, stream_id=f"execution-{eid}", version=1, occurred_at=utcnow(),
+        )])
+    svc = service(infra, store, bus, tmp_path, server, run_id)
+    try:
+        await svc.start()
+        events = await wait_for_types(store, run_id, {"execution.timed_out": 2, "execution.scored": 2})
+    finally:
+        await svc.stop()
+        server.stop()
+    timed_out = {e.data.execution_id: e.data.budget for e in events if e.type == "execution.timed_out"}
+    assert timed_out == {done_id: "crash", empty_id: "crash"}
+    scored = {e.data.execution_id: e.data for e in events if e.type == "execution.scored"}
+    assert scored[done_id].reward == 1.0 and scored[done_id].timed_out
+    assert scored[empty_id].reward == 0.0
