@@ -143,3 +143,58 @@ async def test_service_emits_one_batch_per_step_across_a_kill_and_restart(store,
         assert max(mb.num_tokens for mb in batch.micro_batches) <= 48
     ready = {e.data.step: e.data for e in found}
     assert isinstance(ready[1], BatchReady) and ready[1].query_ids == ["q-1"]
+
+
+@pytest.mark.timeout(300)
+async def test_service_process_killed_mid_run_resumes_without_missing_or_duplicating(
+    store, bus, infra: Infra, repo_root
+) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    run_id = unique("trajk")
+    env = {
+        **os.environ,
+        "GYRE_DATABASE_URL": infra.database_url,
+        "GYRE_DB_SCHEMA": store.schema or "",
+        "GYRE_NATS_URL": infra.nats_url,
+        "GYRE_SUBJECT_PREFIX": bus.prefix,
+        "GYRE_RUN_ID": run_id,
+        "GYRE_MICRO_BATCH_TOKENS": "48",
+        "GYRE_CAP_K": "2",
+        "GYRE_ACK_WAIT_S": "2",
+        "GYRE_BACKOFF_S": "[0.1]",
+    }
+    cmd = [sys.executable, "-m", "services.trajectory"]
+    stop_relay = asyncio.Event()
+    relay = OutboxRelay(store, bus, dsn=database_url_for(store, infra.database_url), idle_wait_s=0.2)
+    relay_task = asyncio.create_task(relay.run(stop_relay))
+    steps = [query_events(run_id, s, 3) for s in range(3)]
+    proc = subprocess.Popen(cmd, cwd=repo_root, env=env, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    try:
+        await write(store, *steps[0])
+        await wait_for_batches(store, run_id, 1)
+        events1, blobs1 = steps[1]
+        await write(store, events1, blobs1)
+        await asyncio.sleep(0.3)  # mid-way through step 1's events
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        await write(store, *steps[2])  # arrives while no service runs
+        proc = subprocess.Popen(cmd, cwd=repo_root, env=env, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        found = await wait_for_batches(store, run_id, 3, timeout=120)
+    finally:
+        proc.terminate()
+        proc.wait()
+        stop_relay.set()
+        await relay_task
+    assert sorted(e.data.step for e in found) == [0, 1, 2]
+    history = [s.event for s in await store.read_all(run_id=run_id)]
+    blobs = {}
+    for e in history:
+        for ref in [getattr(e.data, "record", None), getattr(e.data, "batch", None)]:
+            if ref is not None:
+                blobs[ref.digest] = await store.get_blob(ref)
+    report = verify(history, lambda ref: blobs[ref.digest], Selection(run=run_id))
+    assert all(b.live_digest == b.rebuilt_digest for b in report.batches) and len(report.batches) == 3
