@@ -66,6 +66,8 @@ class AgentConfig(BaseModel):
     command_timeout_s: float = Field(default=120.0, gt=0)
     tool_output_chars: int = Field(default=4000, gt=100)
     sdk_max_retries: int = Field(default=2, ge=0)
+    # The execution's seed, sent as a body field (a Gyre extension the gateway may use for sampling).
+    seed: int | None = None
 
 
 class Budget(BaseModel):
@@ -209,6 +211,9 @@ class AgentLoop:
             kwargs["temperature"] = self.config.temperature
         if purpose == "summary":
             kwargs["tool_choice"] = {"type": "none"}
+        if self.config.seed is not None:
+            # Distinct per call, so re-samples (retries) differ while the whole run stays reproducible.
+            kwargs["extra_body"] = {"seed": self.config.seed * 100_003 + self.calls}
         if remaining is not None:
             kwargs["timeout"] = max(remaining, 0.001)
         try:

@@ -7,8 +7,10 @@ into events: branched while it runs, finished or timed_out when the agent stops,
 from __future__ import annotations
 
 import time
+import asyncio
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
@@ -160,3 +162,33 @@ def grade_preserved(task: Task, state_dir: Path, *, backend: str = "auto", spec:
         sandbox.close()
 
 
+
+
+class LoopObserver:
+    """Bridges the execution's thread to async callbacks on the service's event loop.
+
+    Each callback is awaited to completion before the execution goes on, so events are appended in
+    the order things happened (a branch before the stop, the stop before the score).
+    """
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        on_branched: Callable[[Branch], Awaitable[None]],
+        on_stopped: Callable[[AgentStopped], Awaitable[None]],
+    ) -> None:
+        self._loop = loop
+        self._on_branched = on_branched
+        self._on_stopped = on_stopped
+
+    def branched(self, branch: Branch) -> None:
+        asyncio.run_coroutine_threadsafe(self._on_branched(branch), self._loop).result()
+
+    def agent_stopped(self, stopped: AgentStopped) -> None:
+        asyncio.run_coroutine_threadsafe(self._on_stopped(stopped), self._loop).result()
+
+
+async def run_execution_async(**kwargs: Any) -> ExecutionResult:
+    """`run_execution` in a worker thread (sandboxes and the SDK client block); same arguments."""
+    return await asyncio.to_thread(run_execution, **kwargs)
