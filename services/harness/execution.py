@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -175,8 +175,8 @@ class LoopObserver:
         self,
         loop: asyncio.AbstractEventLoop,
         *,
-        on_branched: Callable[[Branch], Awaitable[None]],
-        on_stopped: Callable[[AgentStopped], Awaitable[None]],
+        on_branched: Callable[[Branch], Coroutine[Any, Any, None]],
+        on_stopped: Callable[[AgentStopped], Coroutine[Any, Any, None]],
     ) -> None:
         self._loop = loop
         self._on_branched = on_branched
