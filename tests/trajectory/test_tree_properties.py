@@ -214,3 +214,19 @@ def test_cap_keeps_at_most_k_paths_and_drops_only_uncovered_targets(log: Executi
     assert {tuple(capped.tokens[p].tolist()) for p in capped.trajectories()} == kept_paths
     if k >= tree.stats().trajectories:
         assert result.dropped_targets == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 50), min_size=1, max_size=6),
+                          st.lists(st.integers(0, 50), max_size=6)), min_size=1, max_size=10))
+def test_a_chain_of_continuations_is_one_trajectory(turns: list[tuple[list[int], list[int]]]) -> None:
+    log = ExecutionLog("exec-chain")
+    context: list[int] = []
+    for tool, completion in turns:
+        log.call(context + tool, completion)
+        context = log.sequence(len(log.records) - 1).tolist()
+    tree = build_tree(log.execution_id, log.records)
+    assert [c.kind for c in tree.calls] == ["root"] + ["continuation"] * (len(turns) - 1)
+    stats = tree.stats()
+    assert stats.trajectories == 1 and stats.flat_tokens == stats.unique_tokens == len(context)
+    assert stats.target_tokens == sum(len(c) for _, c in turns)
