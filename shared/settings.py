@@ -42,6 +42,7 @@ class Settings(BaseSettings):
 
     # RL shape (SPEC §5–§7).
     group_size: int = 16
+    queries_per_step: int = 1
     cap_k: int = 8
     max_staleness: int = 1
     micro_batch_tokens: int = 4096

@@ -178,21 +178,25 @@ async def test_consumer_killed_before_ack_applies_the_effect_once(store, bus, in
     # First incarnation: the transaction commits, then the process "dies" before acking.
     from nats.aio.msg import Msg
 
-    original_ack = Msg.ack_sync
+    original_ack = Msg.ack
+    acks_lost = 0
 
     async def die(self, *a, **k):
+        nonlocal acks_lost
+        acks_lost += 1
         raise asyncio.CancelledError("killed before ack")
 
-    monkeypatch.setattr(Msg, "ack_sync", die)
+    monkeypatch.setattr(Msg, "ack", die)
     first = EffectService(settings)
     await first.start()
     await asyncio.sleep(1.0)
     await first.stop()
     effects_after_crash = [s for s in await store.read_after(0) if s.event.stream_id.startswith("cell-effect-")]
     assert len(effects_after_crash) >= 1
+    assert acks_lost >= 1  # the crash really came between the commit and the ack
 
     # Second incarnation: everything is redelivered; effects already applied are skipped, the rest applied once.
-    monkeypatch.setattr(Msg, "ack_sync", original_ack)
+    monkeypatch.setattr(Msg, "ack", original_ack)
     second = EffectService(settings)
     await second.start()
     await asyncio.sleep(3.0)
