@@ -73,8 +73,13 @@ def run_external(
     harness: ExternalHarness, sandbox: ProcessSandbox, gateway: GatewayAccess, instruction: str, *, timeout_s: float
 ) -> ExternalOutcome:
     """Write the harness's home files, then run its command inside with the gateway reachable."""
+    home = sandbox.host_path(HOME_DIR)
     for relative, content in harness.home_files.items():
         path = sandbox.host_path(f"{HOME_DIR}/{relative}")
+        # Written as root into a folder the sandbox owns: refuse any link planted on the way.
+        for part in [*reversed(path.relative_to(home).parents), path.relative_to(home)]:
+            if (home / part).is_symlink():
+                raise SandboxError(f"{home / part}: expected no symbolic link in a harness home file's path")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(content)
     sandbox.give_to_sandbox()

@@ -6,6 +6,7 @@ nothing the agent wrote can stand in for them.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -84,12 +85,27 @@ def run_tests(task: Task, sandbox: ProcessSandbox) -> tuple[GradeResult, ExecRes
             Bind(host=logs_host, inside=LOGS_DIR, read_only=False),
         ],
     )
-    reward_path = logs_host / "verifier" / "reward.txt"
-    reward_text = reward_path.read_text(errors="replace") if reward_path.is_file() else None
+    reward_text = read_inside_file(logs_host, logs_host / "verifier" / "reward.txt")
     graded = grade(result.stdout + "\n" + result.stderr, reward_text)
     if result.timed_out:
         graded = graded.model_copy(update={"detail": (graded.detail + "; tests timed out").lstrip("; ")})
     return graded, result
+
+
+def read_inside_file(root: Path, path: Path, limit: int = 4096) -> str | None:
+    """Read a file the sandbox could have tampered with: never through a link that leaves `root`."""
+    try:
+        resolved = path.resolve(strict=True)
+    except (FileNotFoundError, RuntimeError):
+        return None
+    if not resolved.is_relative_to(root.resolve()) or not resolved.is_file():
+        return None
+    try:
+        fd = os.open(resolved, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as handle:
+        return handle.read(limit).decode(errors="replace")
 
 
 def check_with_solution(

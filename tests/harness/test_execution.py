@@ -41,3 +41,17 @@ def test_failing_setup_script_stops_the_task_with_its_output(tmp_path: Path, bes
             prepare(task, box)
     finally:
         box.close(remove=True)
+
+
+def test_reward_file_linked_outside_the_logs_is_ignored(tmp_path: Path) -> None:
+    from services.harness.taskrun import read_inside_file
+
+    logs = tmp_path / "logs"
+    (logs / "verifier").mkdir(parents=True)
+    secret = tmp_path / "host-secret.txt"
+    secret.write_text("0.9")
+    (logs / "verifier" / "reward.txt").symlink_to(secret)
+    assert read_inside_file(logs, logs / "verifier" / "reward.txt") is None
+    (logs / "verifier" / "reward.txt").unlink()
+    (logs / "verifier" / "reward.txt").write_text("0.5\n")
+    assert read_inside_file(logs, logs / "verifier" / "reward.txt") == "0.5\n"
