@@ -1,0 +1,376 @@
+"""The live scheduler's pure core: the run's query plan, and the fold of the run's events into the
+policies' `Snapshot`. No clock and no I/O: time arrives as events' `occurred_at` and as `now_s`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Literal
+
+from services.scheduler.policies import (
+    CellState,
+    CellView,
+    FinishedExecution,
+    LiveExecution,
+    QueuedQuery,
+    Role,
+    Snapshot,
+    SwitchCosts,
+    TrainerView,
+)
+from shared.events import (
+    BatchReady,
+    CellAssigned,
+    CellDraining,
+    CellReady,
+    CellRegistered,
+    Event,
+    ExecutionFinished,
+    ExecutionScored,
+    ExecutionStarted,
+    ExecutionTimedOut,
+    QueryDispatched,
+    StepCompleted,
+    WeightsPublished,
+)
+
+# Every event type the fold reads; the shell tails the log for these.
+FOLDED_TYPES: tuple[str, ...] = (
+    "cell.registered",
+    "cell.assigned",
+    "cell.draining",
+    "cell.released",
+    "cell.ready",
+    "query.dispatched",
+    "execution.started",
+    "execution.finished",
+    "execution.timed_out",
+    "execution.scored",
+    "batch.ready",
+    "step.completed",
+    "weights.published",
+)
+
+TaskOrder = Literal["round_robin", "seeded"]
+
+
+class PlanError(ValueError):
+    """The query plan was configured with values it cannot work with."""
+
+
+def derive_seed(seed: int, *parts: int) -> int:
+    """A 31-bit seed from the run seed and a path of integers; stable across processes and Python versions."""
+    text = "/".join(str(p) for p in (seed, *parts))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big") & 0x7FFFFFFF
+
+
+@dataclass(frozen=True, slots=True)
+class QueryPlan:
+    """Which queries a run trains on: `queries_per_step` queries feed each of `total_steps` steps.
+
+    Query number n feeds step n // queries_per_step. Its id, task and seeds are functions of
+    (run, step, index) and the run seed, so a restarted scheduler names the same queries again.
+    Seeds do not depend on the run id: runs in different modes with one seed see the same samples.
+    """
+
+    run_id: str
+    task_ids: tuple[str, ...]
+    queries_per_step: int
+    total_steps: int
+    group_size: int
+    seed: int = 0
+    task_order: TaskOrder = "round_robin"
+    harness: str = "builtin"
+
+    def __post_init__(self) -> None:
+        if not self.task_ids:
+            raise PlanError("expected at least one task id to train on, got none")
+        if self.queries_per_step < 1 or self.total_steps < 0 or self.group_size < 1:
+            raise PlanError(
+                f"expected queries_per_step >= 1, total_steps >= 0 and group_size >= 1, got "
+                f"{self.queries_per_step}, {self.total_steps} and {self.group_size}"
+            )
+
+    @property
+    def total_queries(self) -> int:
+        return self.total_steps * self.queries_per_step
+
+    def slot(self, n: int) -> tuple[int, int]:
+        """(step, index within the step) of query number n."""
+        return divmod(n, self.queries_per_step)
+
+    def query_id(self, n: int) -> str:
+        step, index = self.slot(n)
+        return f"{self.run_id}-step{step}-q{index}"
+
+    def number_of(self, query_id: str) -> int | None:
+        """The query number a planned query id names, or None for a query this plan did not make."""
+        match = re.fullmatch(re.escape(self.run_id) + r"-step(\d+)-q(\d+)", query_id)
+        if match is None:
+            return None
+        step, index = int(match.group(1)), int(match.group(2))
+        if index >= self.queries_per_step:
+            return None
+        return step * self.queries_per_step + index
+
+    def task_for(self, n: int) -> str:
+        match self.task_order:
+            case "round_robin":
+                return self.task_ids[n % len(self.task_ids)]
+            case "seeded":
+                return random.Random(derive_seed(self.seed, n, -1)).choice(self.task_ids)
+            case _:
+                raise PlanError(f"expected task_order round_robin or seeded, got {self.task_order!r}")
+
+    def seeds_for(self, n: int) -> list[int]:
+        step, index = self.slot(n)
+        return [derive_seed(self.seed, step, index, sample) for sample in range(self.group_size)]
+
+    def dispatch(self, n: int, *, policy_version: int) -> QueryDispatched:
+        if not 0 <= n < self.total_queries:
+            raise PlanError(f"expected a query number in [0, {self.total_queries}), got {n}")
+        step, _ = self.slot(n)
+        return QueryDispatched(
+            query_id=self.query_id(n),
+            task_id=self.task_for(n),
+            group_size=self.group_size,
+            seeds=self.seeds_for(n),
+            step=step,
+            policy_version=policy_version,
+            harness=self.harness,
+        )
+
+
+def query_stream(query_id: str) -> str:
+    """One stream per query: appending its dispatch at expected version 0 makes a second dispatch impossible."""
+    return f"query-{query_id}"
+
+
+@dataclass(slots=True)
+class _Cell:
+    cell_id: str
+    kv_tokens: int
+    role: Role = Role.IDLE
+    state: CellState = CellState.ACTIVE
+    role_since_s: float = 0.0
+
+
+@dataclass(slots=True)
+class _Session:
+    execution_id: str
+    query_id: str
+    cell_id: str
+    step: int
+    dispatch_version: int
+
+
+@dataclass(slots=True)
+class _Query:
+    query_id: str
+    step: int
+    group_size: int
+    number: int | None  # position in the plan, None for a query the plan did not make
+    ended: int = 0
+
+
+@dataclass(slots=True)
+class RunView:
+    """Everything the scheduler knows about its run, built only from the run's events in log order.
+
+    Sessions are counted live from the dispatch of their query (the harness announces them later) until
+    they finish or time out. A session's cell is estimated by spreading each query over the rollout cells
+    (least loaded first): the router places sessions itself, and the policies need the load, not the
+    exact cell.
+    """
+
+    plan: QueryPlan
+    max_staleness: int
+    session_reserve_tokens: int
+    default_kv_tokens: int
+    budget_cells: int = 0  # 0: every registered cell
+    switch_costs: SwitchCosts = field(default_factory=SwitchCosts)
+
+    origin: datetime | None = None
+    cells: dict[str, _Cell] = field(default_factory=dict)
+    queries: dict[str, _Query] = field(default_factory=dict)
+    sessions: dict[tuple[str, int], _Session] = field(default_factory=dict)
+    session_of: dict[str, tuple[str, int]] = field(default_factory=dict)  # execution id -> session key
+    finished: dict[str, FinishedExecution] = field(default_factory=dict)
+    dispatched_numbers: set[int] = field(default_factory=set)
+    batch_tokens: dict[int, int] = field(default_factory=dict)  # step -> unique tokens of its batch
+    rewards: dict[str, float] = field(default_factory=dict)
+    policy_version: int = 0
+    tokens_per_cell_s: float = 0.0
+    seen: set[uuid.UUID] = field(default_factory=set)
+
+    # ---- the fold ----
+
+    def apply(self, event: Event) -> bool:
+        """Fold one event; False for an event of another run, a type the fold ignores, or a duplicate."""
+        if event.run_id != self.plan.run_id or event.event_id in self.seen:
+            return False
+        self.seen.add(event.event_id)
+        if self.origin is None:
+            self.origin = event.occurred_at
+        at = self.seconds_at(event.occurred_at)
+        data = event.data
+        match data:
+            case CellRegistered():
+                self._registered(data)
+            case CellAssigned():
+                cell = self._cell(data.cell_id)
+                role = Role(data.role)
+                if role is not cell.role:
+                    cell.role, cell.state = role, CellState.SWITCHING
+                elif cell.state is CellState.DRAINING:
+                    cell.state = CellState.ACTIVE
+            case CellDraining():
+                cell = self._cell(data.cell_id)
+                if cell.state is not CellState.SWITCHING:
+                    cell.state = CellState.DRAINING
+            case CellReady():
+                cell = self._cell(data.cell_id)
+                cell.role, cell.state, cell.role_since_s = Role(data.role), CellState.ACTIVE, at
+            case QueryDispatched():
+                self._dispatched(data)
+            case ExecutionStarted():
+                self._started(data)
+            case ExecutionFinished() | ExecutionTimedOut():
+                self._ended(data.execution_id)
+            case ExecutionScored():
+                self.rewards[data.execution_id] = data.reward
+            case BatchReady():
+                self.batch_tokens[data.step] = data.unique_tokens
+            case StepCompleted():
+                self.policy_version = max(self.policy_version, data.policy_version)
+                tokens = self.batch_tokens.get(data.step, 0)
+                if tokens and data.seconds > 0:
+                    self.tokens_per_cell_s = tokens / (data.seconds * data.world_size)
+            case WeightsPublished():
+                self.policy_version = max(self.policy_version, data.version)
+            case _:
+                return False  # cell.released and anything else change nothing the policies see
+        return True
+
+    def _registered(self, data: CellRegistered) -> None:
+        kv = data.kv_capacity_tokens or self.default_kv_tokens
+        cell = self.cells.get(data.cell_id)
+        if cell is None:
+            self.cells[data.cell_id] = _Cell(data.cell_id, kv)
+            return
+        cell.kv_tokens = kv
+        # A cell agent that registers again has restarted: it brings the cell back into its last
+        # assigned role and says so with cell.ready; until then the cell is between roles.
+        cell.state = CellState.ACTIVE if cell.role is Role.IDLE else CellState.SWITCHING
+
+    def _cell(self, cell_id: str) -> _Cell:
+        # An order or report about a cell whose registration this run has not seen still names a cell.
+        if cell_id not in self.cells:
+            self.cells[cell_id] = _Cell(cell_id, self.default_kv_tokens)
+        return self.cells[cell_id]
+
+    def _dispatched(self, data: QueryDispatched) -> None:
+        if data.query_id in self.queries:
+            return
+        number = self.plan.number_of(data.query_id)
+        self.queries[data.query_id] = _Query(data.query_id, data.step, data.group_size, number)
+        if number is not None:
+            self.dispatched_numbers.add(number)
+        load = {c.cell_id: 0 for c in self.cells.values() if c.role is Role.ROLLOUT}
+        if not load:
+            load = {c: 0 for c in self.cells} or {"": 0}
+        for s in self.sessions.values():
+            if s.cell_id in load:
+                load[s.cell_id] += 1
+        for sample in range(data.group_size):
+            cell_id = min(load, key=lambda c: (load[c], c))
+            load[cell_id] += 1
+            # The harness names executions `<query>-s<i>`; execution.started confirms the real id.
+            execution_id = f"{data.query_id}-s{sample}"
+            self.sessions[(data.query_id, sample)] = _Session(
+                execution_id, data.query_id, cell_id, data.step, data.policy_version
+            )
+            self.session_of[execution_id] = (data.query_id, sample)
+
+    def _started(self, data: ExecutionStarted) -> None:
+        key = (data.query_id, data.sample_index)
+        session = self.sessions.get(key)
+        if session is None or session.execution_id == data.execution_id:
+            return
+        self.session_of.pop(session.execution_id, None)
+        session.execution_id = data.execution_id
+        self.session_of[data.execution_id] = key
+
+    def _ended(self, execution_id: str) -> None:
+        key = self.session_of.pop(execution_id, None)
+        if key is None:
+            return  # not a session of this run's queries, or already ended
+        session = self.sessions.pop(key)
+        self.queries[session.query_id].ended += 1
+        self.finished[execution_id] = FinishedExecution(execution_id, session.query_id, session.step, 0)
+
+    # ---- reading ----
+
+    def seconds_at(self, when: datetime) -> float:
+        """Seconds from the run's first event to `when` (the snapshot's time axis)."""
+        return 0.0 if self.origin is None else max(0.0, (when - self.origin).total_seconds())
+
+    @property
+    def done(self) -> bool:
+        """The trainer has completed every planned step."""
+        return self.policy_version >= self.plan.total_steps
+
+    def batch_complete(self, step: int) -> bool:
+        """Every planned query of `step` was dispatched and all its executions ended (or its batch is built)."""
+        if step in self.batch_tokens:
+            return True
+        of_step = [q for q in self.queries.values() if q.number is not None and q.step == step]
+        return len(of_step) == self.plan.queries_per_step and all(q.ended >= q.group_size for q in of_step)
+
+    def queued(self) -> list[int]:
+        """Query numbers not yet dispatched, in order, as far as the staleness bound could ever reach now."""
+        horizon = min(
+            self.plan.total_queries,
+            (self.policy_version + self.max_staleness + 1) * self.plan.queries_per_step,
+        )
+        return [n for n in range(horizon) if n not in self.dispatched_numbers]
+
+    def snapshot(self, now_s: float) -> Snapshot:
+        version = self.policy_version
+        reserve = self.session_reserve_tokens
+        cells = tuple(
+            CellView(c.cell_id, c.role, c.state, c.kv_tokens, c.role_since_s)
+            for c in sorted(self.cells.values(), key=lambda c: c.cell_id)
+        )
+        live = tuple(
+            LiveExecution(s.execution_id, s.query_id, s.cell_id, 0, 0, s.dispatch_version, s.step)
+            for s in sorted(self.sessions.values(), key=lambda s: s.execution_id)
+        )
+        finished = tuple(f for _, f in sorted(self.finished.items()) if f.batch >= version)
+        backlog = sum(tokens for step, tokens in self.batch_tokens.items() if step >= version)
+        trainer = TrainerView(
+            policy_version=version,
+            backlog_tokens=backlog,
+            batch_complete=self.batch_complete(version),
+            steps_total=self.plan.total_steps,
+            tokens_per_cell_s=self.tokens_per_cell_s,
+        )
+        return Snapshot(
+            now_s=now_s,
+            cells=cells,
+            live=live,
+            queued=tuple(QueuedQuery(self.plan.query_id(n), self.plan.group_size) for n in self.queued()),
+            finished_untrained=finished,
+            trainer=trainer,
+            max_staleness=self.max_staleness,
+            budget_cells=self.budget_cells or len(cells),
+            batch_queries=self.plan.queries_per_step,
+            queries_dispatched=len(self.dispatched_numbers),
+            session_kv_reserve_bytes=reserve,
+            switch_costs=self.switch_costs,
+        )

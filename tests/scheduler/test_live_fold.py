@@ -1,0 +1,242 @@
+"""The live scheduler's pure core: the query plan and the fold of a run's events into a policy Snapshot."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.scheduler.live import PlanError, QueryPlan, RunView, derive_seed
+from services.scheduler.policies import CellState, Role, make_policy
+from services.scheduler.policies.actions import AssignCell, DispatchQuery, apply_actions
+from shared.events import (
+    BatchReady,
+    BlobRef,
+    CellAssigned,
+    CellDraining,
+    CellReady,
+    CellRegistered,
+    EventData,
+    ExecutionFinished,
+    ExecutionScored,
+    ExecutionStarted,
+    ExecutionTimedOut,
+    StepCompleted,
+    WeightsPublished,
+    new_event,
+)
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+REF = BlobRef(digest="sha256:" + "0" * 64, size=0)
+
+
+def plan(**kw) -> QueryPlan:
+    base = dict(run_id="r1", task_ids=("a", "b", "c"), queries_per_step=2, total_steps=3, group_size=2, seed=7)
+    return QueryPlan(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def view(p: QueryPlan | None = None, *, staleness: int = 0) -> RunView:
+    return RunView(plan=p or plan(), max_staleness=staleness, session_reserve_tokens=10, default_kv_tokens=1000)
+
+
+class Log:
+    """Builds events of one run with increasing times."""
+
+    def __init__(self, run_id: str = "r1") -> None:
+        self.run_id = run_id
+        self.t = 0
+
+    def __call__(self, data: EventData, stream: str = "s"):
+        self.t += 1
+        return new_event(data, run_id=self.run_id, stream_id=stream, version=1, occurred_at=T0 + timedelta(seconds=self.t))
+
+
+def registered(cell: str, kv: int = 1000) -> CellRegistered:
+    return CellRegistered(cell_id=cell, node_id="n", accelerators=1, device="cpu", memory_bytes=0, kv_capacity_tokens=kv)
+
+
+def ready_cells(v: RunView, log: Log, roles: dict[str, str]) -> None:
+    for cell, role in roles.items():
+        v.apply(log(registered(cell)))
+        v.apply(log(CellAssigned(cell_id=cell, role=role, policy="async")))  # type: ignore[arg-type]
+        v.apply(log(CellReady(cell_id=cell, role=role, switch_seconds=1.0)))  # type: ignore[arg-type]
+
+
+# ---- the plan ----
+
+
+def test_query_ids_name_run_step_and_index_and_parse_back() -> None:
+    p = plan()
+    ids = [p.query_id(n) for n in range(p.total_queries)]
+    assert ids[:3] == ["r1-step0-q0", "r1-step0-q1", "r1-step1-q0"]
+    assert len(set(ids)) == len(ids)
+    assert [p.number_of(i) for i in ids] == list(range(p.total_queries))
+    assert p.number_of("r2-step0-q0") is None and p.number_of("r1-step0-q5") is None
+
+
+def test_seeds_follow_the_run_seed_not_the_run_id() -> None:
+    a, b = plan(run_id="async-run"), plan(run_id="colocate-run")
+    assert [a.seeds_for(n) for n in range(6)] == [b.seeds_for(n) for n in range(6)]
+    assert a.seeds_for(0) != plan(seed=8).seeds_for(0)
+    assert len({s for n in range(6) for s in a.seeds_for(n)}) == 12  # distinct per step, index and sample
+    assert derive_seed(7, 0, 0, 0) == a.seeds_for(0)[0]
+
+
+def test_task_choice_round_robin_and_seeded_are_deterministic() -> None:
+    assert [plan().task_for(n) for n in range(4)] == ["a", "b", "c", "a"]
+    seeded = plan(task_order="seeded")
+    assert [seeded.task_for(n) for n in range(20)] == [plan(task_order="seeded").task_for(n) for n in range(20)]
+    assert set(seeded.task_for(n) for n in range(60)) == {"a", "b", "c"}
+
+
+def test_plan_rejects_no_tasks_and_dispatch_past_the_last_step() -> None:
+    with pytest.raises(PlanError, match="at least one task"):
+        plan(task_ids=())
+    with pytest.raises(PlanError, match=r"\[0, 6\)"):
+        plan().dispatch(6, policy_version=0)
+    q = plan().dispatch(3, policy_version=1)
+    assert (q.query_id, q.step, q.task_id, q.group_size, q.policy_version) == ("r1-step1-q1", 1, "a", 2, 1)
+
+
+# ---- the fold ----
+
+
+def test_registered_cells_start_idle_and_follow_assignment_until_ready() -> None:
+    v, log = view(), Log()
+    v.apply(log(registered("c0", kv=500)))
+    v.apply(log(registered("c1", kv=0)))
+    snap = v.snapshot(0)
+    assert [(c.cell_id, c.role, c.state, c.kv_capacity_bytes) for c in snap.cells] == [
+        ("c0", Role.IDLE, CellState.ACTIVE, 500),
+        ("c1", Role.IDLE, CellState.ACTIVE, 1000),  # 0 = unknown capacity: the configured default
+    ]
+    v.apply(log(CellAssigned(cell_id="c0", role="rollout", policy="async")))
+    assert v.snapshot(0).cells[0].state is CellState.SWITCHING
+    v.apply(log(CellDraining(cell_id="c0", from_role="idle", live_sessions=0)))
+    assert v.snapshot(0).cells[0].state is CellState.SWITCHING
+    ready = log(CellReady(cell_id="c0", role="rollout", switch_seconds=2.0))
+    v.apply(ready)
+    c0 = v.snapshot(0).cells[0]
+    assert (c0.role, c0.state, c0.role_since_s) == (Role.ROLLOUT, CellState.ACTIVE, v.seconds_at(ready.occurred_at))
+    # The agent restarted: the cell is between roles until it reports ready again.
+    v.apply(log(registered("c0", kv=500)))
+    assert v.snapshot(0).cells[0].state is CellState.SWITCHING
+
+
+def test_dispatched_queries_are_live_until_their_executions_end() -> None:
+    v, log = view(), Log()
+    ready_cells(v, log, {"c0": "rollout", "c1": "train"})
+    p = v.plan
+    v.apply(log(p.dispatch(0, policy_version=0), "query-0"))
+    snap = v.snapshot(0)
+    assert snap.queries_dispatched == 1
+    assert [e.execution_id for e in snap.live] == ["r1-step0-q0-s0", "r1-step0-q0-s1"]
+    assert {e.cell_id for e in snap.live} == {"c0"}  # only rollout cells hold sessions
+    v.apply(log(ExecutionStarted(execution_id="x0", query_id="r1-step0-q0", task_id="a", group_size=2,
+                                 sample_index=0, seed=1)))
+    assert sorted(e.execution_id for e in v.snapshot(0).live) == ["r1-step0-q0-s1", "x0"]
+    v.apply(log(ExecutionFinished(execution_id="x0", elapsed_s=1, calls=2)))
+    v.apply(log(ExecutionTimedOut(execution_id="r1-step0-q0-s1", budget="wall_clock", elapsed_s=1, calls=2)))
+    v.apply(log(ExecutionScored(execution_id="x0", query_id="r1-step0-q0", reward=1.0, tests_passed=1, tests_total=1)))
+    snap = v.snapshot(0)
+    assert snap.live == ()
+    assert [f.execution_id for f in snap.finished_untrained] == ["r1-step0-q0-s1", "x0"]
+    assert not snap.trainer.batch_complete  # the step's second query has not been dispatched
+    assert v.rewards == {"x0": 1.0}
+
+
+def test_trainer_progress_moves_version_backlog_and_batch_completion() -> None:
+    v, log = view(), Log()
+    ready_cells(v, log, {"c0": "rollout"})
+    for n in range(2):
+        v.apply(log(v.plan.dispatch(n, policy_version=0)))
+        for i in range(2):
+            v.apply(log(ExecutionFinished(execution_id=f"{v.plan.query_id(n)}-s{i}", elapsed_s=1, calls=1)))
+    assert v.snapshot(0).trainer.batch_complete
+    v.apply(log(BatchReady(step=0, batch=REF, query_ids=[], executions=4, trees=4, micro_batches=1,
+                           unique_tokens=600, flat_tokens=900, target_tokens=300, min_policy_version=0,
+                           max_policy_version=0)))
+    assert v.snapshot(0).trainer.backlog_tokens == 600
+    v.apply(log(StepCompleted(step=0, policy_version=1, world_size=2, seconds=3.0, metrics={})))
+    snap = v.snapshot(0)
+    assert (snap.trainer.policy_version, snap.trainer.backlog_tokens) == (1, 0)
+    assert snap.trainer.tokens_per_cell_s == pytest.approx(100.0)
+    assert snap.finished_untrained == ()  # trained executions leave the backlog
+    assert not snap.trainer.batch_complete
+    v.apply(log(WeightsPublished(version=2, step=1, weights=REF)))
+    assert v.policy_version == 2
+    v.apply(log(StepCompleted(step=2, policy_version=3, world_size=1, seconds=1.0, metrics={})))
+    assert v.done
+
+
+def test_the_queue_holds_the_next_queries_the_staleness_bound_could_reach() -> None:
+    v = view(staleness=1)
+    assert v.queued() == [0, 1, 2, 3]  # steps 0 and 1 at version 0 with k = 1
+    v.apply(Log()(v.plan.dispatch(0, policy_version=0)))
+    assert v.queued() == [1, 2, 3]
+    v.policy_version = 2
+    assert v.queued() == [1, 2, 3, 4, 5]  # capped at the last planned step
+
+
+def test_events_of_other_runs_and_duplicates_change_nothing() -> None:
+    v, log = view(), Log()
+    ready_cells(v, log, {"c0": "rollout"})
+    event = log(v.plan.dispatch(0, policy_version=0))
+    assert v.apply(event)
+    before = v.snapshot(1.0)
+    assert not v.apply(event)
+    other = Log("r2")
+    assert not v.apply(other(registered("zz")))
+    assert not v.apply(other(StepCompleted(step=0, policy_version=5, world_size=1, seconds=1, metrics={})))
+    assert v.snapshot(1.0) == before
+
+
+# ---- property: folding what a policy decides keeps the snapshot consistent ----
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    mode=st.sampled_from(["async", "colocate"]),
+    cells=st.integers(2, 4),
+    staleness=st.integers(0, 2),
+    script=st.lists(st.sampled_from(["tick", "finish", "step"]), min_size=1, max_size=40),
+)
+def test_a_simulated_run_dispatches_each_query_once_within_the_bound(mode, cells, staleness, script) -> None:
+    """Drive the real policy on the fold: every decision passes the invariant checker, each planned query is
+    dispatched at most once, never beyond the staleness bound, and the live count matches the log."""
+    p = plan(total_steps=4)
+    v, log = view(p, staleness=staleness), Log()
+    for i in range(cells):
+        v.apply(log(registered(f"c{i}", kv=1000)))
+    policy = make_policy(mode, budget_cells=cells)
+    dispatched: list[tuple[int, int]] = []  # (step, trainer version at dispatch)
+    for op in script:
+        snap = v.snapshot(float(log.t))
+        if op == "tick" and not v.done:
+            actions = policy.decide(snap)
+            apply_actions(snap, actions, allow_parking=policy.allows_parking)
+            for a in actions:
+                if isinstance(a, AssignCell):
+                    v.apply(log(CellAssigned(cell_id=a.cell_id, role=a.role.value, policy=mode)))
+                    v.apply(log(CellReady(cell_id=a.cell_id, role=a.role.value, switch_seconds=0.1)))
+                elif isinstance(a, DispatchQuery):
+                    n = p.number_of(a.query_id)
+                    assert n is not None
+                    data = p.dispatch(n, policy_version=a.policy_version)
+                    dispatched.append((data.step, v.policy_version))
+                    v.apply(log(data))
+        elif op == "finish" and v.sessions:
+            key = min(v.sessions)
+            v.apply(log(ExecutionFinished(execution_id=v.sessions[key].execution_id, elapsed_s=1, calls=1)))
+        elif op == "step" and not v.done and v.batch_complete(v.policy_version):
+            step = v.policy_version
+            v.apply(log(StepCompleted(step=step, policy_version=step + 1, world_size=1, seconds=1, metrics={})))
+        ended = sum(q.ended for q in v.queries.values())
+        assert len(v.snapshot(0).live) == sum(q.group_size for q in v.queries.values()) - ended
+    steps = [s for s, _ in dispatched]
+    assert len(dispatched) == len(set(v.dispatched_numbers)) == len(v.queries)
+    assert steps == sorted(steps)  # queries go out in plan order
+    assert all(step <= version + staleness for step, version in dispatched)
+    assert all(step < p.total_steps for step in steps)
