@@ -357,7 +357,9 @@ class ProcessSandbox:
         in_path = self.state_dir / ".exec" / f"{tag}.in"
         if stdin is not None:
             in_path.write_bytes(stdin)
-        full = self._full_argv(argv, full_env, cwd or self.workdir, gateway, binds, tag)
+        # The spec's extra read-only paths go after the writable areas, so one under /tmp stays visible.
+        extra = [Bind(host=Path(p), inside=p) for p in self.spec.ro_paths if os.path.lexists(p)]
+        full = self._full_argv(argv, full_env, cwd or self.workdir, gateway, [*extra, *binds], tag)
         started = time.monotonic()
         with out_path.open("wb") as out, err_path.open("wb") as err:
             stdin_file = in_path.open("rb") if stdin is not None else subprocess.DEVNULL
@@ -419,7 +421,7 @@ class ProcessSandbox:
         _kill_uid(self.uid)
 
     def _ro_paths(self) -> list[str]:
-        return [*_system_ro_paths(), *(p for p in self.spec.ro_paths if os.path.lexists(p))]
+        return _system_ro_paths()
 
     def _bwrap_argv(self, inner: list[str], env: Mapping[str, str], cwd: str, gateway: bool, binds: Sequence[Bind]) -> list[str]:
         args = ["bwrap", "--die-with-parent", "--new-session", "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try", "--hostname", "sandbox"]
@@ -446,9 +448,11 @@ class ProcessSandbox:
         for name, mount in [("work", self.workdir), *_AREAS.items()]:
             parents(mount)
             args.extend(["--bind", str(self.state_dir / name), mount])
+            made.add(mount)
         for bind in binds:
             parents(bind.inside)
             args.extend(["--ro-bind" if bind.read_only else "--bind", str(bind.host), bind.inside])
+            made.add(bind.inside)
         if gateway:
             parents(GYRE_RUN_DIR)
             args.extend(["--ro-bind", str(self.state_dir / ".run"), GYRE_RUN_DIR])

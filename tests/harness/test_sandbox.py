@@ -198,3 +198,16 @@ def test_uid_locks_exclude_other_processes(tmp_path: Path) -> None:
     assert a != b
     first.release(a)
     assert second.acquire() == a
+
+
+def test_extra_read_only_paths_are_visible_even_under_tmp(tmp_path: Path, backend: str) -> None:
+    tool_dir = tmp_path / "tool"
+    tool_dir.mkdir()
+    (tool_dir / "run.sh").write_text("echo tool ran\n")
+    box = ProcessSandbox(tmp_path / "box", SandboxSpec(ro_paths=(str(tool_dir),)), backend=backend)  # type: ignore[arg-type]
+    try:
+        result = box.exec(f"bash {tool_dir}/run.sh && touch {tool_dir}/x", timeout_s=60)
+        assert "tool ran" in result.stdout
+        assert result.exit_code != 0 and not (tool_dir / "x").exists()
+    finally:
+        box.close(remove=True)
