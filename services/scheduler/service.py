@@ -1,0 +1,238 @@
+"""The live scheduler: folds its run's event log into a Snapshot, asks the configured policy (the same
+objects the simulator drives) what to do on every tick, and turns the answer into `cell.assigned` and
+`query.dispatched` events.
+
+The fold tails the log by global position (commit order; a restarted scheduler replays it from the start
+and so knows every dispatch); a bus consumer only wakes the tick early when something happened. A query's
+dispatch is appended at expected version 0 of its own stream, so it can never be dispatched twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from services.scheduler.live import FOLDED_TYPES, QueryPlan, RunView, query_stream
+from services.scheduler.policies import (
+    Action,
+    AssignCell,
+    DispatchQuery,
+    DrainCell,
+    MigrateSession,
+    Policy,
+    PolicyConfigError,
+    PolicyViolation,
+    Snapshot,
+    apply_actions,
+    make_policy,
+)
+from shared.events import CellAssigned, Event, stream_id_for
+from shared.logging import configure_logging
+from shared.runtime import Service, utcnow
+from shared.settings import Settings, load_settings
+from shared.store import ConcurrencyConflict, Transaction
+
+
+class SchedulerConfigError(ValueError):
+    """The scheduler was configured with values it cannot run with."""
+
+
+class SchedulerSettings(BaseSettings):
+    """`GYRE_SCHEDULER_…`; the mode, staleness bound and group size are the shared GYRE_MODE,
+    GYRE_MAX_STALENESS and GYRE_GROUP_SIZE."""
+
+    model_config = SettingsConfigDict(env_prefix="GYRE_SCHEDULER_", extra="ignore", frozen=True)
+
+    task_ids: Annotated[list[str], NoDecode] = Field(default_factory=list)  # comma-separated or a JSON list
+    task_order: Literal["round_robin", "seeded"] = "round_robin"
+    queries_per_step: int = Field(default=1, ge=1)
+    total_steps: int = Field(default=1, ge=0)
+    tick_s: float = Field(default=1.0, gt=0)
+    seed: int = 0
+    harness: str = "builtin"
+    budget_cells: int = Field(default=0, ge=0)  # 0: every registered cell
+    rollout_cells: int = Field(default=0, ge=0)  # async's rollout pool; 0: half the budget
+    min_cells: int = Field(default=1, ge=1)  # decide nothing before this many cells registered
+    session_reserve_tokens: int = Field(default=8192, ge=1)  # KV one session reserves on its cell
+    default_kv_tokens: int = Field(default=1 << 20, ge=1)  # a cell that registers capacity 0
+    fill: float = Field(default=0.9, gt=0, le=1)
+
+    @field_validator("task_ids", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            import json
+
+            text = value.strip()
+            if text.startswith("["):
+                return json.loads(text)
+            return [t.strip() for t in text.split(",") if t.strip()]
+        return value
+
+
+class SchedulerService(Service):
+    name = "scheduler"
+
+    def __init__(self, settings: Settings | None = None, scheduler: SchedulerSettings | None = None) -> None:
+        super().__init__(settings)
+        self.sched = scheduler or SchedulerSettings()
+        if not self.sched.task_ids:
+            raise SchedulerConfigError("GYRE_SCHEDULER_TASK_IDS must name at least one task to train on")
+        self.plan = QueryPlan(
+            run_id=self.settings.run_id,
+            task_ids=tuple(self.sched.task_ids),
+            queries_per_step=self.sched.queries_per_step,
+            total_steps=self.sched.total_steps,
+            group_size=self.settings.group_size,
+            seed=self.sched.seed,
+            task_order=self.sched.task_order,
+            harness=self.sched.harness,
+        )
+        self.view = RunView(
+            plan=self.plan,
+            max_staleness=self.settings.max_staleness,
+            session_reserve_tokens=self.sched.session_reserve_tokens,
+            default_kv_tokens=self.sched.default_kv_tokens,
+            budget_cells=self.sched.budget_cells,
+        )
+        self.position = 0
+        self.ticks = 0
+        self._wake = asyncio.Event()
+        self._policies: dict[int, Policy] = {}
+        self._announced_done = False
+        self.log = self.log.bind(mode=self.settings.mode)
+
+    async def setup(self) -> None:
+        await self.catch_up()
+        self.log.info("scheduler_resumed", position=self.position, dispatched=len(self.view.dispatched_numbers),
+                      policy_version=self.view.policy_version, cells=len(self.view.cells))
+        self.on(list(FOLDED_TYPES), self._nudge)
+        self.spawn(self._loop(), name="scheduler-tick")
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "mode": self.settings.mode,
+            "policy_version": self.view.policy_version,
+            "queries_dispatched": len(self.view.dispatched_numbers),
+            "live_sessions": len(self.view.sessions),
+            "cells": {c.cell_id: f"{c.role.value}/{c.state.value}" for c in self.view.cells.values()},
+            "done": self.view.done,
+        }
+
+    async def _nudge(self, event: Event, tx: Transaction) -> None:
+        if event.run_id == self.settings.run_id:
+            self._wake.set()
+
+    # ---- the fold ----
+
+    async def catch_up(self) -> int:
+        """Fold every event of the run committed since the last call; returns how many were read."""
+        assert self.store is not None
+        read = 0
+        while True:
+            page = await self.store.read_after(
+                self.position, limit=1000, types=FOLDED_TYPES, run_id=self.settings.run_id
+            )
+            for stored in page:
+                self.view.apply(stored.event)
+                self.position = stored.position
+            read += len(page)
+            if len(page) < 1000:
+                return read
+
+    # ---- the loop ----
+
+    async def _loop(self) -> None:
+        while not self.stop_event.is_set():
+            try:
+                await self.tick()
+            except Exception:  # a failed tick (database away, ...) is retried on the next one
+                self.log.exception("tick_failed")
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=self.sched.tick_s)
+            except asyncio.TimeoutError:
+                pass
+
+    def policy(self, budget_cells: int) -> Policy:
+        if budget_cells not in self._policies:
+            self._policies[budget_cells] = make_policy(
+                self.settings.mode,
+                budget_cells=budget_cells,
+                rollout_cells=self.sched.rollout_cells or None,
+                fill=self.sched.fill,
+            )
+        return self._policies[budget_cells]
+
+    async def tick(self) -> list[Event]:
+        """Catch up with the log, decide, and emit the decision. Returns the events appended."""
+        await self.catch_up()
+        self.ticks += 1
+        if self.view.done:
+            if not self._announced_done:
+                self._announced_done = True
+                self.log.info("run_complete", steps=self.plan.total_steps,
+                              queries_dispatched=len(self.view.dispatched_numbers))
+            return []
+        if len(self.view.cells) < self.sched.min_cells:
+            return []
+        snapshot = self.view.snapshot(self.view.seconds_at(utcnow()))
+        try:
+            policy = self.policy(snapshot.budget_cells)
+            actions = policy.decide(snapshot)
+            apply_actions(snapshot, actions, allow_parking=policy.allows_parking)
+        except (PolicyConfigError, PolicyViolation) as exc:
+            self.log.error("no_decision", error=str(exc), cells=len(snapshot.cells))
+            return []
+        emitted = await self.execute(snapshot, actions)
+        if emitted:
+            await self.catch_up()
+        return emitted
+
+    async def execute(self, snapshot: Snapshot, actions: list[Action]) -> list[Event]:
+        """Turn a decision into events, in the decision's order."""
+        emitted: list[Event] = []
+        for action in actions:
+            match action:
+                case AssignCell(cell_id=cell_id, role=role):
+                    event = self.event(
+                        CellAssigned(cell_id=cell_id, role=role.value, policy=self.settings.mode,
+                                     reason=_reason(snapshot, role.value)),
+                        stream_id=stream_id_for("cell", cell_id),
+                    )
+                    await self.emit([event], expected_version="any")
+                    emitted.append(event)
+                    self.log.info("cell_assigned", cell_id=cell_id, role=role.value)
+                case DispatchQuery(query_id=query_id, policy_version=version):
+                    number = self.plan.number_of(query_id)
+                    assert number is not None, f"the policy dispatched {query_id!r}, which the plan never queued"
+                    data = self.plan.dispatch(number, policy_version=version)
+                    event = self.event(data, stream_id=query_stream(query_id))
+                    try:
+                        await self.emit([event], expected_version=0)
+                    except ConcurrencyConflict:
+                        self.log.warning("query_already_dispatched", query_id=query_id)
+                        continue
+                    emitted.append(event)
+                    self.log.info("query_dispatched", query_id=query_id, step=data.step, task_id=data.task_id,
+                                  policy_version=version)
+                case DrainCell() | MigrateSession():
+                    # The rollout worker of a cell leaving rollout migrates its own sessions when its cell
+                    # agent announces cell.draining, so fine-grained drains and moves are not ordered here.
+                    self.log.info("action_left_to_workers", action=repr(action))
+        return emitted
+
+
+def _reason(snapshot: Snapshot, role: str) -> str:
+    t = snapshot.trainer
+    return (f"{role}: version {t.policy_version}/{t.steps_total}, batch complete {t.batch_complete}, "
+            f"{len(snapshot.live)} live, {len(snapshot.queued)} queued")
+
+
+def main() -> None:
+    settings = load_settings()
+    configure_logging(SchedulerService.name, run_id=settings.run_id)
+    asyncio.run(SchedulerService(settings).run())
