@@ -1,0 +1,131 @@
+"""The built-in loop against the real rollout gateway (HTTP, Anthropic API) over a scripted engine.
+
+The engine is the rollout tests' char-level fake, so the test is deterministic; the gateway, its token
+check, tool-call parsing and call recording are the real ones. The loop runs in a real sandbox.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+
+from services.harness.agent import AgentConfig, AgentLoop, Budget
+from services.harness.agent_core import Branch
+from services.harness.execution import BuiltinHarness, run_execution
+from services.harness.external import GatewayAccess
+from services.harness.sandbox import ProcessSandbox, SandboxSpec
+from services.harness.tasks import load_task
+
+from .conftest import TASKS
+
+fakes = pytest.importorskip("tests.rollout.fakes", reason="the rollout service's test doubles are not available")
+
+
+class Served:
+    def __init__(self, app: Any) -> None:
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not (self.server.started and self.server.servers):
+            assert time.monotonic() < deadline, "gateway did not start"
+            time.sleep(0.01)
+        return f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def gateway_stack(script: Any) -> Any:
+    codec = fakes.CharCodec()
+    return codec, fakes.build_stack([fakes.ScriptedEngine(codec, script, max_model_len=65536)], codec)
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.branches: list[Branch] = []
+
+    def branched(self, branch: Branch) -> None:
+        self.branches.append(branch)
+
+
+@pytest.fixture
+def box(tmp_path: Path, best_backend: str) -> Iterator[ProcessSandbox]:
+    sandbox = ProcessSandbox(tmp_path / "box", SandboxSpec(), backend=best_backend)  # type: ignore[arg-type]
+    yield sandbox
+    sandbox.close(remove=True)
+
+
+def test_execution_through_the_gateway_is_graded_and_every_call_recorded(tmp_path: Path, best_backend: str) -> None:
+    codec_holder: list[Any] = []
+
+    def script(prompt: list[int]) -> str:
+        text = codec_holder[0].decode(prompt)
+        if "</tool_response>" in text[-400:] or "tool_response" in text[-400:]:
+            return fakes.tool_call_text("submit", {"answer": "file written"})
+        return fakes.tool_call_text("shell", {"command": "printf 'hello world\\n' > hello.txt"}, "Writing the file.")
+
+    codec, stack = gateway_stack(script)
+    codec_holder.append(codec)
+    token = stack.registry.register("execution-gw-1")
+    with Served(stack.app) as base_url:
+        result = run_execution(
+            execution_id="execution-gw-1",
+            task=load_task(TASKS / "create-file-1"),
+            harness=BuiltinHarness(agent=AgentConfig(model="tiny", sdk_max_retries=0)),
+            gateway=GatewayAccess(base_url=base_url, token=token, model="tiny"),
+            state_dir=tmp_path / "state",
+            backend=best_backend,
+        )
+    assert result.agent is not None and result.agent.status == "submitted", result.agent
+    assert result.grade.score == 1.0
+    recorded = stack.recorder.calls("execution-gw-1")
+    assert [c.call_index for c in recorded] == [c.index for c in result.agent.call_log] == [0, 1]
+    # The second call continues the first: same chain, no branch.
+    assert {c.chain_id for c in recorded} == {"main"}
+    assert recorded[1].parent_call_index == 0
+
+
+def test_retry_through_the_gateway_resends_the_same_prompt(box: ProcessSandbox) -> None:
+    replies = iter(['<tool_call>\n{"name": "shell", "argum\n</tool_call>', fakes.tool_call_text("submit", {})])
+    codec, stack = gateway_stack(lambda prompt: next(replies))
+    token = stack.registry.register("execution-gw-2")
+    sink = Sink()
+    with Served(stack.app) as base_url:
+        loop = AgentLoop.for_gateway(base_url, token, AgentConfig(model="tiny", sdk_max_retries=0), box, sink=sink)
+        outcome = loop.run("Do nothing, then submit.", Budget(max_calls=5))
+    assert outcome.status == "submitted"
+    assert [(b.kind, b.at_call_index, b.from_call_index) for b in sink.branches] == [("retry", 1, 0)]
+    engine = stack.engines[0]
+    assert engine.prompts[0] == engine.prompts[1]
+    assert len(stack.recorder.calls("execution-gw-2")) == 2
+
+
+def test_compaction_summary_call_is_accepted_by_the_gateway(box: ProcessSandbox) -> None:
+    replies = iter(
+        [
+            fakes.tool_call_text("shell", {"command": "echo step one > a.txt"}),
+            "Summary: a.txt holds step one.",
+            fakes.tool_call_text("submit", {"answer": "ok"}),
+        ]
+    )
+    codec, stack = gateway_stack(lambda prompt: next(replies))
+    token = stack.registry.register("execution-gw-3")
+    sink = Sink()
+    with Served(stack.app) as base_url:
+        loop = AgentLoop.for_gateway(base_url, token, AgentConfig(model="tiny", sdk_max_retries=0, compact_at_tokens=100), box, sink=sink)
+        outcome = loop.run("Write step one to a.txt.", Budget(max_calls=6))
+    assert outcome.status == "submitted", outcome
+    assert [c.purpose for c in outcome.call_log] == ["turn", "summary", "turn"]
+    assert [(b.kind, b.at_call_index, b.from_call_index) for b in sink.branches] == [("compaction", 2, 1)]
+    restarted = codec.decode(stack.engines[0].prompts[2])
+    assert "Summary: a.txt holds step one." in restarted
