@@ -92,7 +92,7 @@ def tool_call_regex(tools: tuple[ToolSpec, ...], names: tuple[str, ...]) -> str:
 
 
 _VALUE_PATTERNS = {
-    "string": r'"[a-zA-Z0-9 ._/-]{1,32}"',
+    "string": r'"[a-zA-Z0-9 ._/-]{1,24}"',
     "integer": r"-?[0-9]{1,6}",
     "number": r"-?[0-9]{1,6}",
     "boolean": r"(true|false)",

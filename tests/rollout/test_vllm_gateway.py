@@ -26,7 +26,7 @@ BASH = {
     "description": "Run a shell command",
     "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]},
 }
-MAX_LEN = 2048
+MAX_LEN = 4096
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ async def test_twenty_tool_rounds_stay_on_one_path(stack) -> None:
     for turn in range(20):
         forced = turn % 2 == 0
         msg = await client.messages.create(
-            model="tiny", max_tokens=48, system=system, tools=[BASH], messages=messages,
+            model="tiny", max_tokens=96 if forced else 24, system=system, tools=[BASH], messages=messages,
             tool_choice={"type": "any"} if forced else {"type": "auto"})
         messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in msg.content]})
         uses = [b for b in msg.content if b.type == "tool_use"]
@@ -125,7 +125,7 @@ async def test_openai_client_plain_tools_and_streaming(stack) -> None:
                                                "parameters": BASH["input_schema"]}}]
     messages = [{"role": "user", "content": "List the files."}]
     r = await client.chat.completions.create(model="tiny", messages=messages, tools=tools, tool_choice="required",
-                                             max_tokens=48)
+                                             max_tokens=96)
     call = r.choices[0].message.tool_calls[0]
     assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "bash"
     assert "command" in json.loads(call.function.arguments)
@@ -146,7 +146,7 @@ async def test_bad_inputs_raise_sdk_errors_and_record_nothing(stack) -> None:
                                                        messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(anthropic.BadRequestError, match="prompt is too long"):
         await client.messages.create(model="tiny", max_tokens=8,
-                                     messages=[{"role": "user", "content": "word " * 5000}])
+                                     messages=[{"role": "user", "content": "word " * 9000}])
     with pytest.raises(anthropic.BadRequestError, match="input_schema"):
         await client.messages.create(model="tiny", max_tokens=8, messages=[{"role": "user", "content": "hi"}],
                                      tools=[{"name": "x", "description": "no schema"}])
