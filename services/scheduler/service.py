@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from services.scheduler.live import FOLDED_TYPES, QueryPlan, RunView, query_stream
+from services.scheduler.live import FOLDED_TYPES, PlanError, QueryPlan, RunView, query_stream
 from services.scheduler.policies import (
     Action,
     AssignCell,
@@ -235,4 +235,8 @@ def _reason(snapshot: Snapshot, role: str) -> str:
 def main() -> None:
     settings = load_settings()
     configure_logging(SchedulerService.name, run_id=settings.run_id)
-    asyncio.run(SchedulerService(settings).run())
+    try:
+        service = SchedulerService(settings)
+    except (SchedulerConfigError, PlanError) as exc:
+        raise SystemExit(f"scheduler: {exc}") from exc
+    asyncio.run(service.run())

@@ -44,7 +44,12 @@ def accepting(cell: CellView) -> bool:
 
 
 def dispatch_onto(
-    snapshot: Snapshot, room: Room, cell_ids: list[str], *, exclude: frozenset[str] = frozenset()
+    snapshot: Snapshot,
+    room: Room,
+    cell_ids: list[str],
+    *,
+    exclude: frozenset[str] = frozenset(),
+    limit: int | None = None,
 ) -> list[Action]:
     """Dispatch queued queries in order while the staleness bound and KV room allow.
 
@@ -56,7 +61,8 @@ def dispatch_onto(
     heap = [(-room.free(c), c) for c in candidates if room.free(c) >= reserve]
     heapq.heapify(heap)
     actions: list[Action] = []
-    for query in snapshot.queued[: snapshot.dispatch_room()]:
+    allowed = snapshot.dispatch_room() if limit is None else min(limit, snapshot.dispatch_room())
+    for query in snapshot.queued[:allowed]:
         if len(heap) == 0:
             break
         places: list[str] = []

@@ -50,11 +50,15 @@ class AsyncPolicy:
 class ColocatePolicy:
     """One pool: every cell rolls out until the trainer's batch is complete, then every cell trains.
 
-    Sessions still live when the pool turns to training (queries of later batches, allowed by the
-    staleness bound) are parked in place and continue when the pool returns to rollout.
+    With `run_ahead` (default, the same staleness bound as the other policies) a rollout phase also
+    starts later batches up to the bound, which fills the pool while the current batch's tail runs;
+    those sessions are parked in place during training (the engine gives its memory to the trainer)
+    and continue, their KV recomputed, when the pool returns to rollout. Without it a phase rolls
+    out exactly the trainer's current batch (a synchronous colocated loop).
     """
 
     fill: float = 0.9
+    run_ahead: bool = True
     name: str = "colocate"
     allows_parking: bool = True
 
@@ -70,5 +74,9 @@ class ColocatePolicy:
         ]
         if not train_phase:
             room = Room.of(snapshot, self.fill)
-            actions += dispatch_onto(snapshot, room, [c.cell_id for c in ordered if accepting(c)])
+            limit = None
+            if not self.run_ahead:
+                limit = (trainer.policy_version + 1) * snapshot.batch_queries - snapshot.queries_dispatched
+            accepting_ids = [c.cell_id for c in ordered if accepting(c)]
+            actions += dispatch_onto(snapshot, room, accepting_ids, limit=limit)
         return actions

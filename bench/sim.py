@@ -1,0 +1,77 @@
+"""Benchmark: simulate every workload preset under elastic, async and colocate; print the speedups.
+
+Usage: python bench/sim.py [--out DIR] [--seed N] [--presets flagship,repo,swe,terminal]
+The last line of stdout is the JSON summary; the published references are printed beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from services.scheduler.sim.engine import SimOptions  # noqa: E402
+from services.scheduler.sim.presets import preset_names  # noqa: E402
+from services.scheduler.sim.runner import run_sim  # noqa: E402
+
+PUBLISHED = {
+    "flagship_h": {"elastic": 75.42, "async": 134.55, "colocate": 91.47},
+    "elastic_vs_async": [1.38, 1.78],
+    "elastic_vs_colocate": [1.21, 1.85],
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, default=None, help="write report JSON and images here")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--presets", default=",".join(preset_names()))
+    args = parser.parse_args()
+    started = time.perf_counter()
+    names = [n for n in args.presets.split(",") if n]
+    reports = {}
+    for name in names:
+        t0 = time.perf_counter()
+        options = SimOptions(record_timeline=args.out is not None)
+        report = run_sim(name, None, args.seed, args.out, options=options, plots=args.out is not None)
+        reports[name] = report
+        hours = {k: round(v["end_to_end_h"], 2) for k, v in report["policies"].items()}
+        print(
+            json.dumps(
+                {
+                    "preset": name,
+                    "hours": hours,
+                    "lower_bound_h": round(report["lower_bound"]["hours"], 2),
+                    "elastic_to_lower_bound": round(
+                        report["policies"]["elastic"]["end_to_end_h"] / report["lower_bound"]["hours"], 3
+                    ),
+                    "speedups": {k: round(v, 3) for k, v in report["speedups"].items()},
+                    "wall_s": round(time.perf_counter() - t0, 1),
+                }
+            ),
+            flush=True,
+        )
+    print(json.dumps({"published": PUBLISHED}))
+    summary: dict[str, object] = {"bench": "sim"}
+    if "flagship" in reports:
+        f = reports["flagship"]
+        summary["flagship"] = {
+            "elastic_h": round(f["policies"]["elastic"]["end_to_end_h"], 2),
+            "async_h": round(f["policies"]["async"]["end_to_end_h"], 2),
+            "colocate_h": round(f["policies"]["colocate"]["end_to_end_h"], 2),
+            "lower_bound_h": round(f["lower_bound"]["hours"], 2),
+            "flagship_wall_s": round(f["wall_s"], 1),
+        }
+    summary["presets"] = names
+    summary["elastic_vs_async"] = [round(reports[n]["speedups"]["elastic_vs_async"], 3) for n in names]
+    summary["elastic_vs_colocate"] = [round(reports[n]["speedups"]["elastic_vs_colocate"], 3) for n in names]
+    summary["wall_s"] = round(time.perf_counter() - started, 1)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

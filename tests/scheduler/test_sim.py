@@ -1,0 +1,114 @@
+"""Tests of the cluster simulator: determinism, calibration statistics, bounds and the report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from services.scheduler import policies
+from services.scheduler.sim import run_sim
+from services.scheduler.sim.bounds import lower_bound
+from services.scheduler.sim.cli import sim_app
+from services.scheduler.sim.engine import SimOptions, Simulation
+from services.scheduler.sim.presets import get_preset, preset_names
+from services.scheduler.sim.runner import simulate_policy
+from services.scheduler.sim.workload import PresetError, sample_workload, workload_stats
+
+# A small cluster with the flagship's workload shape: a few seconds per policy.
+SMALL = dict(steps=5, cells=16, batch_queries=2)
+
+
+def strip_wall(report: dict) -> dict:
+    text = json.dumps(report, sort_keys=True)
+    data = json.loads(text)
+    data.pop("wall_s")
+    for m in data["policies"].values():
+        m.pop("sim_wall_s")
+    return data
+
+
+def test_same_seed_gives_the_same_report_and_another_seed_does_not() -> None:
+    a = run_sim("flagship", seed=3, plots=False, **SMALL)
+    b = run_sim("flagship", seed=3, plots=False, **SMALL)
+    c = run_sim("flagship", seed=4, plots=False, **SMALL)
+    assert strip_wall(a) == strip_wall(b)
+    assert strip_wall(a)["policies"] != strip_wall(c)["policies"]
+
+
+def test_simulator_drives_the_schedulers_own_policy_objects() -> None:
+    sim, _ = simulate_policy(get_preset("flagship").scaled(**SMALL), 0, "elastic")
+    assert type(sim.policy) is policies.ElasticPolicy
+    assert sim.policy.decide.__module__ == "services.scheduler.policies.elastic"
+
+
+@pytest.mark.parametrize(
+    ("preset", "stat", "published", "tolerance"),
+    [
+        ("repo", "mean_execution_h", 1.93, 0.04),
+        ("repo", "mean_query_h", 2.96, 0.06),
+        ("flagship", "share_queries_ge_4h", 0.611, 0.02),
+        ("flagship", "mean_context_tokens", 700_000, 25_000),
+    ],
+)
+def test_presets_reproduce_the_published_workload_statistics(
+    preset: str, stat: str, published: float, tolerance: float
+) -> None:
+    p = get_preset(preset)
+    stats = workload_stats(p, sample_workload(p, 0, n_queries=20_000))
+    assert stats[stat] == pytest.approx(published, abs=tolerance)
+
+
+@pytest.mark.parametrize("preset", ["terminal", "swe"])
+def test_terminal_and_swe_presets_have_shorter_tails_than_repository_building(preset: str) -> None:
+    repo = workload_stats(get_preset("repo"), sample_workload(get_preset("repo"), 0, n_queries=5_000))
+    p = get_preset(preset)
+    other = workload_stats(p, sample_workload(p, 0, n_queries=5_000))
+    assert other["p99_execution_h"] < repo["p99_execution_h"]
+    assert other["mean_query_h"] < repo["mean_query_h"]
+
+
+def test_every_policy_finishes_above_the_lower_bound_within_the_staleness_bound() -> None:
+    report = run_sim("flagship", seed=1, plots=False, **SMALL)
+    lb = report["lower_bound"]["hours"]
+    for name, m in report["policies"].items():
+        assert m["end_to_end_h"] >= lb, name
+        assert len(m["step_times_h"]) == SMALL["steps"]
+        assert m["staleness"]["max"] <= m["staleness"]["bound"]
+    assert report["policies"]["async"]["migrations"] == 0
+    assert report["policies"]["elastic"]["switches"] > 0
+
+
+def test_elastic_parks_no_session_and_validates_every_decision() -> None:
+    p = get_preset("flagship").scaled(**SMALL)
+    sim = Simulation(p, sample_workload(p, 2), policies.ElasticPolicy(), SimOptions(validate=True))
+    sim.run()
+    assert sim.version == p.steps
+    assert not sim.sessions or all(sim.cells[s.cell].role is policies.Role.ROLLOUT for s in sim.sessions.values())
+
+
+def test_lower_bound_grows_with_the_work() -> None:
+    p = get_preset("flagship").scaled(**SMALL)
+    w = sample_workload(p, 0)
+    heavier = p.scaled(train_tokens_per_cell_s=p.train_tokens_per_cell_s / 4)
+    assert lower_bound(heavier, w).resource_h > lower_bound(p, w).resource_h
+
+
+def test_cli_writes_the_json_report_and_the_timeline(tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        sim_app, ["--preset", "terminal", "--steps", "3", "--seed", "0", "--out", str(tmp_path)]
+    )
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output.strip().splitlines()[-1])
+    assert set(summary["hours"]) == {"elastic", "async", "colocate"}
+    report = json.loads((tmp_path / "report_terminal.json").read_text())
+    assert report["lower_bound"]["hours"] > 0
+    assert (tmp_path / "timeline_terminal.png").stat().st_size > 10_000
+
+
+def test_unknown_preset_is_a_clear_error() -> None:
+    with pytest.raises(PresetError, match="expected a preset"):
+        get_preset("nl2repo-xxl")
+    assert {"flagship", "repo", "terminal", "swe"} <= set(preset_names())
