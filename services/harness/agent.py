@@ -65,6 +65,7 @@ class AgentConfig(BaseModel):
     max_delegation_depth: int = Field(default=1, ge=0)
     command_timeout_s: float = Field(default=120.0, gt=0)
     tool_output_chars: int = Field(default=4000, gt=100)
+    # Retries of transient API errors (connection, 429, 5xx), each within the wall-clock budget.
     sdk_max_retries: int = Field(default=2, ge=0)
     # The execution's seed, sent as a body field (a Gyre extension the gateway may use for sampling).
     seed: int | None = None
@@ -129,12 +130,14 @@ class AgentLoop:
         *,
         sink: BranchSink | None = None,
         clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.client = client
         self.config = config
         self.runner = runner
         self.sink = sink or NullBranchSink()
         self.clock = clock
+        self.sleep = sleep
         self.calls = 0
         self.call_log: list[CallRecord] = []
         self.branches: list[Branch] = []
@@ -214,14 +217,7 @@ class AgentLoop:
         if self.config.seed is not None:
             # Distinct per call, so re-samples (retries) differ while the whole run stays reproducible.
             kwargs["extra_body"] = {"seed": self.config.seed * 100_003 + self.calls}
-        if remaining is not None:
-            kwargs["timeout"] = max(remaining, 0.001)
-        try:
-            response = self.client.messages.create(**kwargs)
-        except anthropic.APITimeoutError as exc:
-            if self._remaining() is not None and self._remaining() <= 0:  # type: ignore[operator]
-                raise _Stop("timed_out", "wall-clock budget spent during a model call") from exc
-            raise
+        response = self._create_within_budget(kwargs)
         index = self.calls
         self.calls += 1
         usage = response.usage.model_dump() if response.usage is not None else None
@@ -245,6 +241,35 @@ class AgentLoop:
             )
         )
         return index, response
+
+    def _create_within_budget(self, kwargs: dict[str, Any]) -> Any:
+        """Transient errors are retried here rather than in the SDK, so no retry outlives the deadline."""
+        client = self.client.with_options(max_retries=0)
+        attempt = 0
+        while True:
+            remaining = self._remaining()
+            if remaining is not None:
+                if remaining <= 0:
+                    raise _Stop("timed_out", "wall-clock budget spent during a model call")
+                kwargs["timeout"] = remaining
+            try:
+                return client.messages.create(**kwargs)
+            except (anthropic.APIConnectionError, anthropic.RateLimitError, anthropic.InternalServerError) as exc:
+                left = self._remaining()
+                if left is not None and left <= 0:
+                    raise _Stop("timed_out", "wall-clock budget spent during a model call") from exc
+                if attempt >= self.config.sdk_max_retries:
+                    raise
+                attempt += 1
+                delay = min(8.0, 0.5 * 2**attempt)
+                response = getattr(exc, "response", None)
+                retry_after = response.headers.get("retry-after") if response is not None else None
+                if retry_after is not None:
+                    try:
+                        delay = min(60.0, float(retry_after))
+                    except ValueError:
+                        pass
+                self.sleep(delay if left is None else min(delay, left))
 
     def _sample(self, chain: _Chain) -> tuple[int, list[dict[str, Any]], ValidReply | MalformedReply]:
         """One turn: call, and re-sample from the same messages while the reply is malformed."""

@@ -6,6 +6,7 @@ It listens on 127.0.0.1 (an ephemeral port) with uvicorn in a background thread.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -27,6 +28,14 @@ def tool(name: str, tool_input: dict[str, Any], *, text_before: str = "", **usag
     content: list[dict[str, Any]] = [{"type": "text", "text": text_before}] if text_before else []
     content.append({"type": "tool_use", "id": f"toolu_{name}_{abs(hash(json.dumps(tool_input, sort_keys=True))) % 10**8}", "name": name, "input": tool_input})
     return {"content": content, "stop_reason": "tool_use", **({"usage": usage} if usage else {})}
+
+
+def failure(status: int = 500) -> dict[str, Any]:
+    return {"error_status": status, "content": []}
+
+
+def slow(reply: dict[str, Any], delay_s: float) -> dict[str, Any]:
+    return {**reply, "delay_s": delay_s}
 
 
 def shell(command: str, **usage: int) -> dict[str, Any]:
@@ -98,7 +107,13 @@ class ScriptedAnthropicServer:
                 step = self.script.pop(0)
             reply = step(body) if callable(step) else step
             if "delay_s" in reply:
-                time.sleep(float(reply["delay_s"]))
+                await asyncio.sleep(float(reply["delay_s"]))
+            if "error_status" in reply:
+                return JSONResponse(
+                    {"type": "error", "error": {"type": "api_error", "message": "scripted failure"}},
+                    status_code=int(reply["error_status"]),
+                    headers={"retry-after": "0"},
+                )
             prompt_chars = len(json.dumps(body.get("messages", []))) + len(json.dumps(body.get("system", "")))
             out_chars = len(json.dumps(reply["content"]))
             usage = {"input_tokens": prompt_chars // 4, "output_tokens": max(1, out_chars // 4)}

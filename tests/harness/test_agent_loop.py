@@ -15,7 +15,7 @@ from services.harness.external import GatewayAccess
 from services.harness.sandbox import ProcessSandbox, SandboxSpec
 from services.harness.tasks import load_task
 
-from .scripted_server import ScriptedAnthropicServer, shell, submit, text, tool
+from .scripted_server import ScriptedAnthropicServer, failure, shell, slow, submit, text, tool
 
 TOKEN = "exec-secret-token"
 
@@ -42,7 +42,7 @@ def box(tmp_path: Path, best_backend: str) -> Iterator[ProcessSandbox]:
 def run_loop(script: list[Any], box: ProcessSandbox, *, budget: Budget | None = None, **config: Any) -> tuple[Any, ScriptedAnthropicServer, RecordingSink]:
     sink = RecordingSink()
     with ScriptedAnthropicServer(script, token=TOKEN) as server:
-        loop = AgentLoop.for_gateway(server.base_url, TOKEN, AgentConfig(model="tiny", sdk_max_retries=0, **config), box, sink=sink)
+        loop = AgentLoop.for_gateway(server.base_url, TOKEN, AgentConfig(**{"model": "tiny", "sdk_max_retries": 0, **config}), box, sink=sink)
         outcome = loop.run("Write hi to out.txt", budget)
     return outcome, server, sink
 
@@ -157,6 +157,24 @@ def test_call_budget_stops_the_agent(box: ProcessSandbox) -> None:
     assert outcome.status == "calls_exhausted" and outcome.calls == 3
     assert len(server.requests) == 3
     assert (box.work_host / "log.txt").read_text().split() == ["0", "1", "2"]
+
+
+def test_transient_server_errors_are_retried_within_the_budget(box: ProcessSandbox) -> None:
+    outcome, server, sink = run_loop([failure(500), failure(429), submit()], box, sdk_max_retries=2)
+    assert outcome.status == "submitted" and outcome.calls == 1
+    assert len(server.requests) == 3
+    assert sink.branches == []  # a transport retry is the same call, not a re-sample
+
+
+def test_persistent_server_errors_end_the_run_with_error(box: ProcessSandbox) -> None:
+    outcome, server, _ = run_loop([failure(500)] * 3, box, sdk_max_retries=1)
+    assert outcome.status == "error" and len(server.requests) == 2
+
+
+def test_model_call_past_the_deadline_times_out_without_sdk_retries(box: ProcessSandbox) -> None:
+    outcome, server, _ = run_loop([slow(submit(), 8), submit(), submit()], box, budget=Budget(wall_clock_s=2), sdk_max_retries=2)
+    assert outcome.status == "timed_out" and outcome.calls == 0
+    assert len(server.requests) == 1
 
 
 def test_text_reply_without_tools_ends_the_run(box: ProcessSandbox) -> None:
