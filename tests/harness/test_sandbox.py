@@ -211,3 +211,21 @@ def test_extra_read_only_paths_are_visible_even_under_tmp(tmp_path: Path, backen
         assert result.exit_code != 0 and not (tool_dir / "x").exists()
     finally:
         box.close(remove=True)
+
+
+def test_concurrent_sandboxes_do_not_kill_each_others_processes(tmp_path: Path, backend: str) -> None:
+    """One sandbox's timeout and post-command sweep leave a neighbour's running command alone."""
+    import concurrent.futures
+
+    long_box = limited(tmp_path / "long", backend)
+    short_boxes = [limited(tmp_path / f"short{i}", backend) for i in range(2)]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
+            survivor = pool.submit(long_box.exec, "sleep 6 && echo survived", timeout_s=120)
+            killed = [pool.submit(box.exec, "trap '' TERM; sleep 300", timeout_s=2) for box in short_boxes]
+            assert all(f.result().timed_out for f in killed)
+            result = survivor.result()
+        assert result.ok and "survived" in result.stdout
+    finally:
+        for box in [long_box, *short_boxes]:
+            box.close(remove=True)
