@@ -336,6 +336,11 @@ class CellRunner:
             seen = self.agent.workers[self.cell_id]
             if seen.at >= since and seen.state == "drained":
                 return sessions
+            if seen.at >= since and not self.agent.active_peers(self.cell_id):
+                # No other rollout worker is up (a colocate pool turning to training): the sessions stay
+                # parked with the harness and are recomputed on a rollout cell later.
+                self.log.info("sessions_parked", live_sessions=seen.live_sessions)
+                return max(0, sessions - seen.live_sessions)
             if time.monotonic() >= deadline:
                 self.log.warning("drain_timed_out", live_sessions=seen.live_sessions, state=seen.state)
                 return max(0, sessions - seen.live_sessions)
@@ -408,8 +413,13 @@ class CellAgent(Service):
         except (ValueError, KeyError, TypeError):
             self.log.warning("bad_worker_status", data=msg.data[:200])
             return
-        if cell_id in self.runners:
-            self.workers[cell_id] = seen
+        self.workers[cell_id] = seen  # every worker's, not only ours: a drain needs somewhere to go
+
+    def active_peers(self, cell_id: str, *, within_s: float = 5.0) -> list[str]:
+        """Rollout workers on other cells that heartbeat as active: where a draining worker can migrate."""
+        now = time.monotonic()
+        return sorted(c for c, w in self.workers.items()
+                      if c != cell_id and w.state == "active" and now - w.at <= within_s)
 
     def health(self) -> dict[str, Any]:
         return {"cells": {cid: {"role": r.role, "desired": r.desired, "pid": r.proc.pid if r.proc else None}

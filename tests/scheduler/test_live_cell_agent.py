@@ -5,6 +5,7 @@ worker's drain protocol, crash restarts and resuming after an agent restart."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -24,7 +25,8 @@ STUBBORN = ("import os,sys,time,signal,pathlib; signal.signal(signal.SIGTERM, si
             "pathlib.Path(sys.argv[1]).write_text(str(os.getpid())); time.sleep(600)")
 
 # A stand-in rollout worker that speaks the worker's NATS contract: it heartbeats its status on
-# `<prefix>.rollout.status` with 3 live sessions, and reports drained once it sees cell.draining for its cell.
+# `<prefix>.rollout.status` with 3 live sessions, and reports drained once it sees cell.draining for its cell
+# (with the argument `stuck`, it never manages to drain).
 FAKE_WORKER = '''
 import asyncio, json, os, pathlib, signal, sys
 import nats
@@ -38,7 +40,7 @@ async def main():
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
 
     async def on_draining(msg):
-        if json.loads(msg.data)["data"]["cell_id"] == cell:
+        if json.loads(msg.data)["data"]["cell_id"] == cell and sys.argv[2:] != ["stuck"]:
             state.update(state="drained", live=0)
 
     await nc.subscribe(prefix + ".cell.draining", cb=on_draining)
@@ -185,24 +187,55 @@ async def test_a_switch_drains_releases_and_readies_in_order_and_swaps_the_proce
         assert report.causation_id == order.event_id  # each switch names the order it carries out
 
 
-async def test_rollout_drain_waits_for_the_worker_and_counts_its_sessions(store, bus, infra, tmp_path):
+async def peer_heartbeats(bus, stop: asyncio.Event) -> None:
+    """Another node's active rollout worker, somewhere for a draining worker's sessions to go."""
+    status = {"worker_id": "n2-cell0", "cell_id": "n2-cell0", "state": "active", "live_sessions": 0,
+              "capacity": 8, "in_flight": 0, "policy_version": 4, "max_model_len": 64}
+    while not stop.is_set():
+        await bus.nc.publish(f"{bus.prefix}.rollout.status", json.dumps(status).encode())
+        try:
+            await asyncio.wait_for(stop.wait(), 0.1)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def switch_fake_worker(store, bus, infra, tmp_path, *, stuck: bool, peer: bool) -> list:
     run_id = unique("run-")
     script = tmp_path / "fake_worker.py"
     script.write_text(FAKE_WORKER)
     svc = agent(infra, store, bus, run_id, tmp_path, count=1, rollout_ready="status",
-                rollout_command=f"{{python}} {script} {tmp_path}/{{cell_id}}-rollout.pid",
+                rollout_command=f"{{python}} {script} {tmp_path}/{{cell_id}}-rollout.pid" + (" stuck" if stuck else ""),
                 train_command=f"{{python}} -c '{SLEEPER}' {tmp_path}/{{cell_id}}-train.pid")
     cell = "n1-cell0"
-    async with Running(store, bus, infra, svc):
-        await assign(store, run_id, cell, "rollout")
-        await wait_for(store, run_id, cell, "cell.ready", 1)
-        await assign(store, run_id, cell, "train")
-        events = await wait_for(store, run_id, cell, "cell.ready", 2)
-    ready, draining, released = ([e.data for e in events if e.type == t]
-                                 for t in ("cell.ready", "cell.draining", "cell.released"))
+    stop_peer = asyncio.Event()
+    peer_task = asyncio.create_task(peer_heartbeats(bus, stop_peer)) if peer else None
+    try:
+        async with Running(store, bus, infra, svc):
+            await assign(store, run_id, cell, "rollout")
+            await wait_for(store, run_id, cell, "cell.ready", 1)
+            await assign(store, run_id, cell, "train")
+            events = await wait_for(store, run_id, cell, "cell.ready", 2)
+    finally:
+        stop_peer.set()
+        if peer_task is not None:
+            await peer_task
+    return [[e.data for e in events if e.type == t] for t in ("cell.ready", "cell.draining", "cell.released")]
+
+
+async def test_rollout_drain_waits_for_the_worker_and_counts_its_sessions(store, bus, infra, tmp_path):
+    ready, draining, released = await switch_fake_worker(store, bus, infra, tmp_path, stuck=False, peer=True)
     assert ready[0].policy_version == 4  # the worker's heartbeat made it ready, with its weights' version
     assert draining[0].live_sessions == 3
     assert released[0].migrated_sessions == 3  # the worker reported drained before it was stopped
+
+
+async def test_with_no_other_rollout_worker_the_sessions_stay_parked(store, bus, infra, tmp_path):
+    """A colocate pool turning to training has nowhere to migrate: the switch goes on (drain_timeout_s is
+    600 s here, far beyond the test's wait) and reports nothing migrated."""
+    ready, draining, released = await switch_fake_worker(store, bus, infra, tmp_path, stuck=True, peer=False)
+    assert draining[0].live_sessions == 3
+    assert released[0].migrated_sessions == 0
+    assert [r.role for r in ready] == ["rollout", "train"]
 
 
 async def test_a_crashed_process_is_restarted_and_a_restarted_agent_resumes_its_last_order(store, bus, infra, tmp_path):
