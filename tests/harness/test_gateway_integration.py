@@ -129,3 +129,43 @@ def test_compaction_summary_call_is_accepted_by_the_gateway(box: ProcessSandbox)
     assert [(b.kind, b.at_call_index, b.from_call_index) for b in sink.branches] == [("compaction", 2, 1)]
     restarted = codec.decode(stack.engines[0].prompts[2])
     assert "Summary: a.txt holds step one." in restarted
+
+
+def test_external_sdk_script_through_the_relay_is_recorded_and_graded(tmp_path: Path, best_backend: str) -> None:
+    from .test_external_harness import sdk_harness
+
+    codec, stack = gateway_stack(lambda prompt: "hello world")
+    token = stack.registry.register("execution-gw-ext")
+    with Served(stack.app) as base_url:
+        result = run_execution(
+            execution_id="execution-gw-ext",
+            task=load_task(TASKS / "create-file-1"),
+            harness=sdk_harness(),
+            gateway=GatewayAccess(base_url=base_url, token=token, model="tiny"),
+            state_dir=tmp_path / "state",
+            backend=best_backend,
+        )
+    assert result.external is not None and result.external.exit_code == 0, result.external
+    assert result.grade.score == 1.0
+    recorded = stack.recorder.calls("execution-gw-ext")
+    assert len(recorded) == 1 and recorded[0].api == "anthropic"
+
+
+def test_external_harness_with_a_wrong_token_is_refused_by_the_gateway(tmp_path: Path, best_backend: str) -> None:
+    from .test_external_harness import sdk_harness
+
+    codec, stack = gateway_stack(lambda prompt: "hello world")
+    stack.registry.register("execution-gw-good")
+    with Served(stack.app) as base_url:
+        result = run_execution(
+            execution_id="execution-gw-bad",
+            task=load_task(TASKS / "create-file-1"),
+            harness=sdk_harness(),
+            gateway=GatewayAccess(base_url=base_url, token="not-a-token", model="tiny"),
+            state_dir=tmp_path / "state",
+            backend=best_backend,
+        )
+    assert result.external is not None and result.external.exit_code != 0
+    assert "401" in result.external.stderr_tail or "authentication" in result.external.stderr_tail.lower()
+    assert result.grade.score < 1.0
+    assert stack.recorder.calls("execution-gw-bad") == []
