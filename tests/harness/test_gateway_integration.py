@@ -169,3 +169,37 @@ def test_external_harness_with_a_wrong_token_is_refused_by_the_gateway(tmp_path:
     assert "401" in result.external.stderr_tail or "authentication" in result.external.stderr_tail.lower()
     assert result.grade.score < 1.0
     assert stack.recorder.calls("execution-gw-bad") == []
+
+
+def test_claude_code_through_the_relay_to_the_real_gateway(tmp_path: Path, best_backend: str) -> None:
+    from services.harness.external import claude_code
+
+    from .test_external_harness import claude_code_dir
+
+    install = claude_code_dir()
+    if install is None:
+        pytest.skip("Claude Code is not installed (set GYRE_CLAUDE_CODE_DIR to the folder holding node_modules/@anthropic-ai/claude-code)")
+    codec_holder: list[Any] = []
+
+    def script(prompt: list[int]) -> str:
+        tail = codec_holder[0].decode(prompt[-3000:])
+        if "tool_response" in tail:
+            return "Done: hello.txt written."
+        return fakes.tool_call_text("Bash", {"command": "printf 'hello world\\n' > hello.txt", "description": "write"})
+
+    codec = fakes.CharCodec()
+    codec_holder.append(codec)
+    stack = fakes.build_stack([fakes.ScriptedEngine(codec, script, max_model_len=1_000_000)], codec)
+    token = stack.registry.register("execution-gw-claude")
+    with Served(stack.app) as base_url:
+        result = run_execution(
+            execution_id="execution-gw-claude",
+            task=load_task(TASKS / "create-file-1"),
+            harness=claude_code(install, "tiny"),
+            gateway=GatewayAccess(base_url=base_url, token=token, model="tiny"),
+            state_dir=tmp_path / "state",
+            backend=best_backend,
+        )
+    assert result.external is not None and result.external.exit_code == 0, result.external
+    assert result.grade.score == 1.0
+    assert len(stack.recorder.calls("execution-gw-claude")) >= 2
