@@ -1,0 +1,263 @@
+"""Benchmark: one GSPO training step tree-packed vs flat-padded on the same branched batch, same run.
+
+Each variant runs in its own process (so peak memory is its own); the last stdout line is the JSON result.
+    python bench/trainer.py [--executions 4 --prefix 768 --branches 6 --branch-len 128 --steps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.trainer.loss import GspoConfig, gspo_loss  # noqa: E402
+from services.trainer.packed_forward import packed_logprobs, to_tensors  # noqa: E402
+from shared.batch import MicroBatch  # noqa: E402
+
+VOCAB = 4096
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(cfg).float()
+
+
+def make_data(args: argparse.Namespace) -> dict[str, Any]:
+    """Per execution: a shared prefix (context, then policy output) and branches (retries) after it."""
+    rng = np.random.default_rng(0)
+    trajectories = []  # (execution, tokens, target flags, mu)
+    for e in range(args.executions):
+        prefix = rng.integers(0, VOCAB, args.prefix).tolist()
+        prefix_target = [i >= args.prefix // 2 for i in range(args.prefix)]  # second half: generated turns
+        prefix_mu = (-rng.random(args.prefix) * 3).tolist()
+        for _ in range(args.branches):
+            tail = rng.integers(0, VOCAB, args.branch_len).tolist()
+            trajectories.append(
+                (
+                    e,
+                    prefix + tail,
+                    prefix_target + [True] * args.branch_len,
+                    prefix_mu + (-rng.random(args.branch_len) * 3).tolist(),
+                )
+            )
+    return {"trajectories": trajectories, "executions": args.executions}
+
+
+def _shared_len(trajs: list[Any]) -> int:
+    first = trajs[0][0]
+    for i in range(len(first)):
+        if any(t[0][i] != first[i] for t in trajs[1:]):
+            return i
+    return len(first)
+
+
+def tree_micro_batches(data: dict[str, Any]) -> list[MicroBatch]:
+    """One micro-batch per execution tree: shared prefix once, then each branch (pre-order)."""
+    by_exec: dict[int, list[Any]] = {}
+    for e, toks, tgt, mu in data["trajectories"]:
+        by_exec.setdefault(e, []).append((toks, tgt, mu))
+    out = []
+    for e, trajs in sorted(by_exec.items()):
+        # Branches share exactly the prefix and (with overwhelming odds) differ in their first token.
+        toks0, tgt0, mu0 = trajs[0]
+        plen = _shared_len(trajs)
+        ids, depth, ends, tpos, ppos, mus = [], [], [], [], [], []
+        for i in range(plen):
+            ids.append(toks0[i]); depth.append(i); ends.append(-1)  # noqa: E702
+            if tgt0[i] and i > 0:
+                tpos.append(i); ppos.append(i - 1); mus.append(mu0[i])  # noqa: E702
+        for toks, tgt, mu in trajs:
+            start = len(ids)
+            for j in range(plen, len(toks)):
+                pos = len(ids)
+                ids.append(toks[j]); depth.append(j); ends.append(start + len(toks) - plen)  # noqa: E702
+                if tgt[j]:
+                    tpos.append(pos); ppos.append(pos - 1 if j > plen else plen - 1); mus.append(mu[j])  # noqa: E702
+        for i in range(plen):
+            ends[i] = len(ids)
+        t = len(tpos)
+        out.append(
+            MicroBatch(
+                input_ids=np.array(ids, dtype=np.int32),
+                position_ids=np.array(depth, dtype=np.int32),
+                subtree_end=np.array(ends, dtype=np.int32),
+                target_pos=np.array(tpos, dtype=np.int32),
+                pred_pos=np.array(ppos, dtype=np.int32),
+                behaviour_logprob=np.array(mus, dtype=np.float32),
+                policy_version=np.zeros(t, dtype=np.int32),
+                target_exec=np.full(t, e, dtype=np.int32),
+            )
+        )
+    return out
+
+
+def _peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _tree_logprobs(model: torch.nn.Module, mbs: list[MicroBatch]) -> list[torch.Tensor]:
+    return [packed_logprobs(model, to_tensors(mb)) for mb in mbs]
+
+
+def _flat_logprobs(model: torch.nn.Module, data: dict[str, Any], per_mb: int) -> list[tuple[torch.Tensor, list[int]]]:
+    """Padded [B, Lmax] causal forwards, lm_head only at the target rows. Returns (logprobs, execution per row)."""
+    trajs = data["trajectories"]
+    out = []
+    for start in range(0, len(trajs), per_mb):
+        chunk = trajs[start : start + per_mb]
+        lmax = max(len(t[1]) for t in chunk)
+        ids = torch.zeros(len(chunk), lmax, dtype=torch.long)
+        attn = torch.zeros(len(chunk), lmax, dtype=torch.long)
+        for b, (_, toks, _, _) in enumerate(chunk):
+            ids[b, : len(toks)] = torch.tensor(toks)
+            attn[b, : len(toks)] = 1
+        rows, cols, execs = [], [], []
+        for b, (e, toks, tgt, _) in enumerate(chunk):
+            for j in range(1, len(toks)):
+                if tgt[j]:
+                    rows.append(b); cols.append(j); execs.append(e)  # noqa: E702
+        model.config._attn_implementation = "sdpa"
+        hidden = model.model(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
+        r, c = torch.tensor(rows), torch.tensor(cols)
+        logits = model.lm_head(hidden[r, c - 1]).float()
+        lp = torch.log_softmax(logits, -1).gather(-1, ids[r, c][:, None]).squeeze(-1)
+        out.append((lp, execs))
+    return out
+
+
+def _variant(kind: str, args: argparse.Namespace, conn: Any) -> None:
+    torch.manual_seed(0)
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    data = make_data(args)
+    mbs = tree_micro_batches(data)
+    cfg = GspoConfig()
+    num_exec = data["executions"]
+    adv = torch.linspace(-1, 1, num_exec)
+
+    def step() -> None:
+        if kind == "tree":
+            counts = torch.zeros(num_exec, dtype=torch.long)
+            for mb in mbs:
+                counts += torch.bincount(torch.from_numpy(mb.target_exec.astype(np.int64)), minlength=num_exec)
+            for mb in mbs:
+                t = to_tensors(mb)
+                lp = packed_logprobs(model, t)
+                loss = gspo_loss(lp, t.behaviour_logprob, t.behaviour_logprob, t.target_exec, adv, counts, num_executions=num_exec, config=cfg).loss
+                loss.backward()
+        else:
+            # Flat: every trajectory's targets, shared ones repeated, as flat training computes them.
+            for lp, execs in _flat_logprobs(model, data, args.branches):
+                e = torch.tensor(execs)
+                counts = torch.bincount(e, minlength=num_exec)
+                loss = gspo_loss(lp, lp.detach(), lp.detach(), e, adv, counts, num_executions=num_exec, config=cfg).loss
+                loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    with torch.no_grad():
+        if kind == "tree":
+            values = [v.tolist() for v in _tree_logprobs(model, mbs)]
+        else:
+            values = [v[0].tolist() for v in _flat_logprobs(model, data, args.branches)]
+    base = _peak_mb()
+    step()  # warm-up (allocator, first-call costs)
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    conn.send({"step_s": statistics.median(times), "peak_mb": max(_peak_mb() - base, 0.0), "logprobs": values})
+    conn.close()
+
+
+def _run(kind: str, args: argparse.Namespace) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_variant, args=(kind, args, child))
+    p.start()
+    result = parent.recv()
+    p.join()
+    return result  # type: ignore[no-any-return]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--executions", type=int, default=4)
+    ap.add_argument("--prefix", type=int, default=768)
+    ap.add_argument("--branches", type=int, default=6)
+    ap.add_argument("--branch-len", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=3)
+    args = ap.parse_args()
+
+    data = make_data(args)
+    mbs = tree_micro_batches(data)
+    unique = sum(mb.num_tokens for mb in mbs)
+    flat = sum(len(t[1]) for t in data["trajectories"])
+    tree = _run("tree", args)
+    flat_res = _run("flat", args)
+
+    # Logprob agreement: the flat value of each target (first trajectory holding it) vs the packed one.
+    packed_by_key: dict[tuple[int, tuple[int, ...]], float] = {}
+    for mb, values in zip(mbs, tree["logprobs"], strict=True):
+        e = int(mb.target_exec[0]) if mb.num_targets else -1
+        # Recover each target's path key from the tree: walk parents via depth/pre-order.
+        ids = mb.input_ids.tolist()
+        ends = mb.subtree_end.tolist()
+        for tpos, v in zip(mb.target_pos.tolist(), values, strict=True):
+            path = [k for k in range(tpos + 1) if k <= tpos < ends[k]]
+            packed_by_key[(e, tuple(ids[k] for k in path))] = v
+    diff = 0.0
+    trajs = data["trajectories"]
+    rows = iter(v for chunk in flat_res["logprobs"] for v in chunk)
+    for e, toks, tgt, _ in trajs:
+        for j in range(1, len(toks)):
+            if tgt[j]:
+                diff = max(diff, abs(next(rows) - packed_by_key[(e, tuple(toks[: j + 1]))]))
+    print(
+        f"tree step {tree['step_s']:.3f}s, flat step {flat_res['step_s']:.3f}s, dedup {flat / unique:.2f}",
+        file=sys.stderr,
+    )
+    result = {
+        "bench": "trainer",
+        "dedup_factor": round(flat / unique, 3),
+        "flat_step_s": round(flat_res["step_s"], 4),
+        "tree_step_s": round(tree["step_s"], 4),
+        "speedup": round(flat_res["step_s"] / tree["step_s"], 3),
+        "flat_peak_mb": round(flat_res["peak_mb"], 1),
+        "tree_peak_mb": round(tree["peak_mb"], 1),
+        "logprob_max_abs_diff": diff,
+        "unique_tokens": unique,
+        "flat_tokens": flat,
+        "config": vars(args),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

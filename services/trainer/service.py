@@ -1,0 +1,236 @@
+"""The trainer service shell: batch.ready in, one GSPO step per batch, checkpoint, weights to the Object
+Store, step.completed and weights.published out. Resumes from its latest checkpoint after a crash.
+
+Exactly once per step: the checkpoint (written before the handler's transaction commits) records the last
+trained step and its metrics, so a batch redelivered after a crash is recognised and only its events are
+re-emitted; a batch for a later step than the next one waits (is retried) until the gap is filled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from services.trainer.distributed import GroupSpec, free_port
+from services.trainer.engine import Trainer, TrainerConfig
+from services.trainer.loss import GspoConfig
+from services.trainer.weights import WEIGHTS_MEDIA_TYPE
+from shared.batch import TrainingBatch
+from shared.bus import ConsumerOptions
+from shared.events import BatchReady, BlobRef, Event, StepCompleted, WeightsPublished, stream_id_for
+from shared.runtime import Service
+from shared.settings import Settings
+from shared.store import ConcurrencyConflict, Transaction
+
+
+class TrainerServiceError(Exception):
+    pass
+
+
+class StepOutOfOrder(TrainerServiceError):
+    """A batch arrived before the one for the step before it; raised so the bus redelivers it later."""
+
+
+class TrainerOptions(BaseSettings):
+    """Trainer-only settings (env prefix GYRE_TRAINER_); the loss settings come from shared Settings."""
+
+    model_config = SettingsConfigDict(env_prefix="GYRE_TRAINER_", extra="ignore", frozen=True)
+
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    publish_every: int = 1  # publish weights after every N-th step (and always after the first)
+    first_step: int = 0  # the step number of the first batch of a run
+    keep_checkpoints: int = 2
+    ack_wait_s: float = 900.0  # a step may take minutes; the bus must not redeliver meanwhile
+    checkpoint_dir: Path | None = None  # default: <state_dir>/trainer/<run_id>/checkpoints
+
+
+def step_stream_id(run_id: str, step: int) -> str:
+    return stream_id_for("step", f"{run_id}-{step}")
+
+
+def weights_stream_id(run_id: str, version: int) -> str:
+    return stream_id_for("weights", f"{run_id}-{version}")
+
+
+class TrainerService(Service):
+    name = "trainer"
+
+    def __init__(self, settings: Settings | None = None, options: TrainerOptions | None = None) -> None:
+        super().__init__(settings)
+        self.options = options or TrainerOptions()
+        self.trainer: Trainer | None = None
+        self.last_step: int = self.options.first_step - 1
+        self.last_metrics: dict[str, float] = {}
+        self.last_seconds: float = 0.0
+        self.reform_s: float = 0.0
+
+    @property
+    def checkpoint_root(self) -> Path:
+        if self.options.checkpoint_dir is not None:
+            return self.options.checkpoint_dir
+        return Path(self.settings.state_dir) / "trainer" / self.settings.run_id / "checkpoints"
+
+    def trainer_config(self) -> TrainerConfig:
+        s = self.settings
+        return TrainerConfig(
+            lr=self.options.lr,
+            weight_decay=self.options.weight_decay,
+            grad_clip=self.options.grad_clip,
+            precision=self.options.precision,
+            loss=GspoConfig(eps_low=s.eps_low, eps_high=s.eps_high, is_cap=s.is_cap),
+            recompute_old_logprobs=s.recompute_old_logprobs,
+        )
+
+    async def setup(self) -> None:
+        if self.settings.model_dir is None:
+            raise TrainerServiceError("GYRE_MODEL_DIR must name the model directory the trainer starts from")
+        spec = GroupSpec.from_env()
+        if spec.world_size == 1:
+            # Alone: a private rendezvous port, so several single-rank trainers on one node never collide.
+            spec = GroupSpec(rank=0, world_size=1, master_port=free_port())
+        if spec.rank != 0:
+            raise TrainerServiceError(
+                f"the service process is rank 0 of the trainer group; got RANK={spec.rank} (run other ranks "
+                "with `gyre train run-step`)"
+            )
+        self.trainer, timing = await asyncio.to_thread(
+            Trainer.start, Path(self.settings.model_dir), spec, self.trainer_config(), self.checkpoint_root
+        )
+        self.reform_s = timing.total_s
+        state = self._checkpoint_state()
+        if state:
+            self.last_step = int(state.get("last_step", self.last_step))
+            self.last_metrics = dict(state.get("metrics", {}))
+            self.last_seconds = float(state.get("seconds", 0.0))
+        self.log.info(
+            "trainer_ready",
+            world_size=spec.world_size,
+            policy_version=self.trainer.policy_version,
+            last_step=self.last_step,
+            reform_s=round(timing.total_s, 3),
+            group_s=round(timing.group_s, 3),
+            build_s=round(timing.build_s, 3),
+            load_s=round(timing.load_s, 3),
+        )
+        if self.trainer.policy_version == 0:
+            await self._publish_initial()
+        options = ConsumerOptions(
+            ack_wait_s=self.options.ack_wait_s,
+            max_deliver=max(self.settings.max_deliver, 1000),  # out-of-order waits are retries, not failures
+            backoff_s=tuple(self.settings.backoff_s),
+        )
+        self.on(["batch.ready"], self.handle, options=options)
+
+    def _checkpoint_state(self) -> dict[str, Any]:
+        from services.trainer.distributed import latest_checkpoint, read_trainer_state
+
+        latest = latest_checkpoint(self.checkpoint_root)
+        return read_trainer_state(latest) if latest is not None else {}
+
+    async def teardown(self) -> None:
+        if self.trainer is not None:
+            await asyncio.to_thread(self.trainer.close)
+            self.trainer = None
+
+    def health(self) -> dict[str, Any]:
+        t = self.trainer
+        return {
+            "last_step": self.last_step,
+            "policy_version": t.policy_version if t else None,
+            "world_size": t.world_size if t else None,
+            "reform_s": round(self.reform_s, 3),
+        }
+
+    # ------------------------------------------------------------------------------------------ steps
+
+    async def handle(self, event: Event, tx: Transaction) -> None:
+        data = event.data
+        if not isinstance(data, BatchReady):
+            return
+        assert self.trainer is not None and self.store is not None
+        if data.step <= self.last_step:
+            # Trained before a crash that lost this transaction: the checkpoint has the result; emit it.
+            if data.step == self.last_step:
+                await self._emit_step(tx, event, data.step, self.last_metrics, self.last_seconds)
+            self.log.info("batch_already_trained", step=data.step, last_step=self.last_step)
+            return
+        if data.step != self.last_step + 1:
+            raise StepOutOfOrder(f"batch for step {data.step} arrived, expected step {self.last_step + 1} first")
+        ref = data.batch
+        blob = await (self.store.get_blob(ref) if ref.store == "pg" else self._bus().get_object(ref.digest))
+        batch = TrainingBatch.decode(blob)
+        if batch.step != data.step:
+            raise TrainerServiceError(f"batch.ready says step {data.step}, the batch blob says {batch.step}")
+        started = time.perf_counter()
+        metrics = await asyncio.to_thread(self.trainer.step, batch)
+        seconds = time.perf_counter() - started
+        metrics["staleness_bound_violations"] = float(
+            metrics["staleness_max"] > self.settings.max_staleness
+        )
+        # Checkpoint before commit: a crash after this line finds the step trained and only re-emits.
+        await asyncio.to_thread(
+            self.trainer.save,
+            self.checkpoint_root,
+            self.options.keep_checkpoints,
+            {"last_step": data.step, "metrics": metrics, "seconds": seconds},
+        )
+        self.last_step, self.last_metrics, self.last_seconds = data.step, metrics, seconds
+        await self._emit_step(tx, event, data.step, metrics, seconds)
+        self.log.info("step_completed", step=data.step, seconds=round(seconds, 3), **{
+            k: round(v, 6) for k, v in metrics.items() if k in ("loss", "clip_fraction", "seq_ratio_mean", "grad_norm")
+        })
+
+    async def _emit_step(
+        self, tx: Transaction, cause: Event, step: int, metrics: dict[str, float], seconds: float
+    ) -> None:
+        assert self.trainer is not None and self.store is not None
+        stream = step_stream_id(self.settings.run_id, step)
+        if await self.store.read_stream(stream):
+            return  # emitted and committed already
+        version = self.trainer.policy_version
+        completed = StepCompleted(
+            step=step,
+            policy_version=version,
+            world_size=self.trainer.world_size,
+            seconds=seconds,
+            metrics=metrics,
+        )
+        tx.append([self.event(completed, stream_id=stream, version=1, cause=cause)], expected_version=0)
+        n = step - self.options.first_step + 1
+        if n == 1 or n % self.options.publish_every == 0:
+            ref = await self._store_weights()
+            published = WeightsPublished(version=version, step=step, weights=ref)
+            stream = weights_stream_id(self.settings.run_id, version)
+            tx.append([self.event(published, stream_id=stream, version=1, cause=cause)], expected_version=0)
+
+    async def _store_weights(self) -> BlobRef:
+        assert self.trainer is not None
+        data = await asyncio.to_thread(self.trainer.weights_bytes)
+        if data is None:
+            raise TrainerServiceError("rank 0 produced no weights")
+        digest = await self._bus().put_object(data)
+        return BlobRef(digest=digest, size=len(data), media_type=WEIGHTS_MEDIA_TYPE, store="object")
+
+    async def _publish_initial(self) -> None:
+        assert self.store is not None
+        stream = weights_stream_id(self.settings.run_id, 0)
+        if await self.store.read_stream(stream):
+            return
+        ref = await self._store_weights()
+        event = self.event(WeightsPublished(version=0, step=-1, weights=ref), stream_id=stream, version=1)
+        try:
+            await self.emit([event], expected_version=0)
+        except ConcurrencyConflict as exc:  # another incarnation published it first: same weights
+            self.log.info("initial_weights_already_published", detail=str(exc))
+
+    def _bus(self) -> Any:
+        if self.bus is None:
+            raise TrainerServiceError("the service is not connected to the bus")
+        return self.bus

@@ -1,0 +1,134 @@
+"""The trainer service against a real nats-server and PostgreSQL: batch.ready in, step.completed and
+weights.published out, and a crash between checkpoint and commit that neither repeats nor skips a step."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load as load_safetensors
+
+from services.trainer.distributed import checkpoint_dir, latest_checkpoint, read_trainer_state
+from services.trainer.service import TrainerOptions, TrainerService
+from shared.batch import BATCH_MEDIA_TYPE
+from shared.bus import ConsumerOptions
+from shared.events import BatchReady, Event, new_event
+from shared.relay import OutboxRelay
+from shared.settings import Settings
+from shared.store import EventStore
+from shared.tinymodel import create_tiny_model
+from tests.conftest import Infra, database_url_for, unique
+from tests.trainer.trainer_trees import make_batch
+
+FAST = ConsumerOptions(ack_wait_s=30.0, max_deliver=1000, backoff_s=(0.2,), batch=10, fetch_timeout_s=0.2)
+
+
+class FastTrainerService(TrainerService):
+    def on(self, event_types, handler, *, durable=None, options=None):  # noqa: ANN001, ANN201
+        super().on(event_types, handler, durable=durable, options=FAST)
+
+
+class Crash(Exception):
+    pass
+
+
+class CrashBeforeCommit(FastTrainerService):
+    """Trains and checkpoints step `crash_at`, then dies before its transaction commits."""
+
+    crash_at = 2
+
+    async def _emit_step(self, tx, cause, step, metrics, seconds):  # noqa: ANN001, ANN202
+        if step == self.crash_at:
+            self.stop_event.set()
+            raise Crash("simulated crash after checkpoint, before commit")
+        await super()._emit_step(tx, cause, step, metrics, seconds)
+
+
+async def put_batch(store: EventStore, run_id: str, step: int) -> None:
+    batch = make_batch(seed=3, step=step, vocab=500)
+    ref = await store.put_blob(batch.encode(), media_type=BATCH_MEDIA_TYPE)
+    data = BatchReady(
+        step=step, batch=ref, query_ids=[f"q{step}"], executions=len(batch.executions), trees=1,
+        micro_batches=len(batch.micro_batches), unique_tokens=sum(mb.num_tokens for mb in batch.micro_batches),
+        flat_tokens=0, target_tokens=sum(mb.num_targets for mb in batch.micro_batches),
+        min_policy_version=0, max_policy_version=0,
+    )
+    from datetime import UTC, datetime
+
+    event = new_event(data, run_id=run_id, stream_id=f"batch-{run_id}-{step}", version=1, occurred_at=datetime.now(UTC))
+    await store.append([event])
+
+
+async def events_of(store: EventStore, run_id: str, kind: str) -> list[Event]:
+    return [s.event for s in await store.read_all(types=[kind], run_id=run_id)]
+
+
+async def wait_for(store: EventStore, run_id: str, kind: str, n: int, timeout: float = 180.0) -> list[Event]:
+    async def until() -> list[Event]:
+        while len(found := await events_of(store, run_id, kind)) < n:
+            await asyncio.sleep(0.3)
+        return found
+
+    await asyncio.wait_for(until(), timeout)
+    await asyncio.sleep(1.0)  # room for a duplicate to show up
+    return await events_of(store, run_id, kind)
+
+
+@pytest.mark.timeout(600)
+async def test_trainer_service_trains_each_step_once_across_a_crash_before_commit(
+    store, bus, infra: Infra, tmp_path: Path
+) -> None:
+    run_id = unique("train")
+    model_dir = create_tiny_model(tmp_path / "model", seed=4)
+    settings = Settings(
+        database_url=infra.database_url, nats_url=infra.nats_url, db_schema=store.schema,
+        subject_prefix=bus.prefix, run_id=run_id, model_dir=model_dir, state_dir=tmp_path / "state",
+        eps_low=0.2, eps_high=0.28, recompute_old_logprobs=True, max_staleness=1,
+    )
+    options = TrainerOptions(lr=1e-3, precision="fp32")
+    stop_relay = asyncio.Event()
+    relay = OutboxRelay(store, bus, dsn=database_url_for(store, infra.database_url), idle_wait_s=0.2)
+    relay_task = asyncio.create_task(relay.run(stop_relay))
+    try:
+        first = CrashBeforeCommit(settings, options)
+        await first.start()
+        for step in range(3):
+            await put_batch(store, run_id, step)
+        await wait_for(store, run_id, "step.completed", 2)
+        await asyncio.wait_for(first.stop_event.wait(), 120)  # step 2 trained + checkpointed, then "crashed"
+        await first.stop()
+        state = read_trainer_state(latest_checkpoint(settings.state_dir / "trainer" / run_id / "checkpoints"))
+        assert state["last_step"] == 2 and state["step_count"] == 3
+
+        second = FastTrainerService(settings, options)
+        await second.start()
+        assert second.last_step == 2
+        await put_batch(store, run_id, 3)
+        completed = await wait_for(store, run_id, "step.completed", 4)
+        await second.stop()
+    finally:
+        stop_relay.set()
+        await relay_task
+
+    steps = sorted(e.data.step for e in completed)
+    assert steps == [0, 1, 2, 3], "a step was skipped or emitted twice"
+    assert [e.data.policy_version for e in sorted(completed, key=lambda e: e.data.step)] == [1, 2, 3, 4]
+    state = read_trainer_state(latest_checkpoint(settings.state_dir / "trainer" / run_id / "checkpoints"))
+    assert state["step_count"] == 4, "step 2 was trained twice"
+    # The re-emitted step 2 carries the metrics recorded in the checkpoint when it was trained.
+    by_step = {e.data.step: e.data for e in completed}
+    step2_state = read_trainer_state(checkpoint_dir(settings.state_dir / "trainer" / run_id / "checkpoints", 3))
+    assert step2_state["last_step"] == 2
+    assert by_step[2].metrics == step2_state["metrics"]
+    for data in by_step.values():
+        assert {"loss", "clip_fraction", "seq_ratio_mean", "is_weight_mean", "unique_tokens", "flat_tokens",
+                "staleness_mean"} <= data.metrics.keys()
+
+    published = await events_of(store, run_id, "weights.published")
+    assert sorted(e.data.version for e in published) == [0, 1, 2, 3, 4]
+    latest = max(published, key=lambda e: e.data.version).data
+    blob = await bus.get_object(latest.weights.digest)
+    weights = load_safetensors(blob)
+    base = load_safetensors((model_dir / "model.safetensors").read_bytes())
+    assert weights.keys() == base.keys()
