@@ -106,14 +106,14 @@ class VllmEngine:
             }
         args = AsyncEngineArgs(
             model=str(config.model),
-            dtype=config.dtype,
+            dtype=config.dtype,  # type: ignore[arg-type]  # validated by vLLM
             max_model_len=config.max_model_len,
             enable_prefix_caching=True,
             enforce_eager=True,
             seed=config.seed,
             disable_log_stats=True,
             max_num_seqs=config.max_num_seqs,
-            kv_transfer_config=kv_transfer,
+            kv_transfer_config=kv_transfer,  # type: ignore[arg-type]  # vLLM parses the dict form
         )
         return cls(AsyncLLM.from_engine_args(args), config)
 

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -156,7 +157,8 @@ class RolloutGatewayService(Service):
             configs.append(uvicorn.Config(app, uds=r.uds, log_level="warning", lifespan="off"))
         for config in configs:
             server = uvicorn.Server(config)
-            server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # the Service owns signals
+            # The Service owns SIGTERM/SIGINT; uvicorn must not capture and re-raise them.
+            server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
             self._servers.append(server)
             self.spawn(server.serve(), name="http")
         self.on(["execution.finished", "execution.timed_out"], self.handle)
@@ -171,6 +173,7 @@ class RolloutGatewayService(Service):
         if worker is not None:
             from services.rollout.transport import NatsWorkerClient
 
+            assert self.bus is not None
             try:
                 await NatsWorkerClient(self.bus).end_sessions(worker, execution_id)
             except Exception:  # the worker may be gone; its sessions went with it

@@ -117,7 +117,7 @@ class RolloutWorker:
     # ---- generation ----
 
     async def generate(self, request: GenerateRequest, delta: np.ndarray) -> GenerateReply:
-        ids = {"worker_id": self.worker_id, "cell_id": self.cell_id}
+        ids: dict[str, Any] = {"worker_id": self.worker_id, "cell_id": self.cell_id}
         moved_to = self.moved.get(request.execution_id)
         if moved_to is not None:
             return GenerateReply(status="moved", moved_to=moved_to, detail="session migrated", **ids)

@@ -10,6 +10,7 @@ import pytest_asyncio
 from services.rollout import anthropic_api
 from services.rollout.codec import TokenizerCodec
 from services.rollout.protocol import DrainRequest, SamplingSpec
+from shared.calls import CallTokens
 from shared.events import KvMigrated
 from shared.tinymodel import create_tiny_model
 from tests.rollout.fakes import build_stack
@@ -91,5 +92,7 @@ async def test_live_session_moves_to_another_worker_with_its_kv_and_continues_id
     calls = stack.recorder.calls("m-1")
     assert calls[-1].cell_id == "cell-1" and calls[-1].branch_hint == "continuation"
     assert msg2.usage.cache_read_input_tokens > 0
-    assert msg2.content[0].text == codec.decode(expected.token_ids)
+    assert msg2.content[0].text == codec.decode(expected.token_ids).strip()
+    recorded = CallTokens.decode(stack.recorder.blobs[calls[-1].record.digest])
+    assert [int(t) for t in recorded.completion] == expected.token_ids  # greedy: what A would have produced
     assert stack.core.router.worker_of("m-1") == "w1"

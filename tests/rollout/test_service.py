@@ -1,0 +1,83 @@
+"""The gateway service process wiring: real HTTP, NATS to a worker, calls in Postgres, executions ending."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from datetime import UTC, datetime
+
+import anthropic
+import httpx2
+import pytest
+
+from services.rollout.codec import TokenizerCodec
+from services.rollout.credentials import derive_token
+from services.rollout.service import RolloutGatewayService, RolloutSettings
+from services.rollout.transport import WorkerServer
+from services.rollout.worker import RolloutWorker
+from shared.bus import Bus
+from shared.events import CallCompleted, ExecutionFinished, new_event
+from shared.settings import Settings
+from shared.tinymodel import create_tiny_model
+from tests.conftest import drop_store, make_store, unique
+from tests.rollout.fakes import ScriptedEngine
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return create_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)
+
+
+async def test_gateway_service_records_calls_and_forgets_finished_executions(infra, model_dir) -> None:
+    store = await make_store(infra.database_url)
+    prefix = unique("t")
+    settings = Settings(database_url=infra.database_url, nats_url=infra.nats_url, db_schema=store.schema,
+                        subject_prefix=prefix, model_dir=model_dir, run_id="run-svc")
+    port = _free_port()
+    service = RolloutGatewayService(settings, RolloutSettings(port=port, token_secret="s3cret", max_model_len=4096))
+    worker_bus = await Bus.connect(infra.nats_url, prefix=prefix)
+    codec = TokenizerCodec.from_model_dir(model_dir)
+    worker = RolloutWorker(ScriptedEngine(codec, lambda p: "all good"), worker_id="w", cell_id="cell-w")
+    server = await WorkerServer(worker, worker_bus, heartbeat_s=0.2).start()
+    await service.start()
+    try:
+        while not service.core.router.directory.live():
+            await asyncio.sleep(0.05)
+        token = derive_token(b"s3cret", "exec-svc")
+        client = anthropic.AsyncAnthropic(api_key=token, base_url=f"http://127.0.0.1:{port}", max_retries=0,
+                                          http_client=httpx2.AsyncClient())
+        for _ in range(50):  # uvicorn binds shortly after start()
+            try:
+                msg = await client.messages.create(model="gyre-tiny", max_tokens=32,
+                                                   messages=[{"role": "user", "content": "hello"}])
+                break
+            except anthropic.APIConnectionError:
+                await asyncio.sleep(0.1)
+        assert msg.content[0].text == "all good"
+        stored = await store.read_stream("execution-exec-svc")
+        assert [type(s.event.data) for s in stored] == [CallCompleted]
+        assert stored[0].event.data.cell_id == "cell-w"
+        # execution.finished (as the relay would publish it) revokes the token and ends the worker's session.
+        finished = new_event(ExecutionFinished(execution_id="exec-svc", elapsed_s=1.0, calls=1), run_id="run-svc",
+                             stream_id="execution-exec-svc", version=2, occurred_at=datetime.now(UTC))
+        await service.bus.publish(finished)
+        for _ in range(100):
+            if not worker.sessions:
+                break
+            await asyncio.sleep(0.05)
+        assert not worker.sessions
+        with pytest.raises(anthropic.AuthenticationError):
+            await client.messages.create(model="gyre-tiny", max_tokens=8, messages=[{"role": "user", "content": "x"}])
+    finally:
+        service.stop_event.set()
+        await service.stop()
+        await server.stop()
+        await worker_bus.delete_streams()  # the service created its streams under this test's prefix
+        await worker_bus.close()
+        await drop_store(store)
