@@ -24,7 +24,16 @@ import httpx
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from shared.events import CellDraining, CellReady, CellRegistered, CellReleased, Event, EventData, stream_id_for
+from shared.events import (
+    CellAssigned,
+    CellDraining,
+    CellReady,
+    CellRegistered,
+    CellReleased,
+    Event,
+    EventData,
+    stream_id_for,
+)
 from shared.logging import configure_logging
 from shared.runtime import Service
 from shared.settings import Settings, load_settings
@@ -60,7 +69,7 @@ class CellSettings(BaseSettings):
     memory_bytes: int = Field(default=0, ge=0)
     kv_capacity_tokens: int = Field(default=1 << 20, ge=0)
     rollout_command: str = "{python} -m services.rollout worker"
-    train_command: str = "{python} -m services.trainer serve"
+    train_command: str = "{python} -m services.trainer"
     rollout_ready: Literal["status", "health", "started"] = "status"
     train_ready: Literal["health", "started"] = "health"
     health_port_base: int = Field(default=9300, ge=0)  # 0: children get no health port
@@ -387,10 +396,9 @@ class CellAgent(Service):
         # The last order for each cell in this run (a restarted agent resumes it; the durable consumer
         # only delivers what it has not acknowledged, and `want` ignores anything older).
         for stored in await self.store.read_all(types=["cell.assigned"], run_id=self.settings.run_id):
-            event = stored.event
-            runner = self.runners.get(event.data.cell_id)  # type: ignore[attr-defined]
-            if runner is not None:
-                runner.want(event.data.role, event.version, event)  # type: ignore[attr-defined]
+            order = stored.event.data
+            if isinstance(order, CellAssigned) and order.cell_id in self.runners:
+                self.runners[order.cell_id].want(order.role, stored.event.version, stored.event)
         # One durable consumer per node: every agent must see every order.
         self.on(["cell.assigned"], self._on_assigned, durable=f"cell-agent-{self.node_id}")
         for runner in self.runners.values():
@@ -398,11 +406,12 @@ class CellAgent(Service):
         self.log.info("cells_registered", cells=list(self.runners))
 
     async def _on_assigned(self, event: Event, tx: Transaction) -> None:
-        runner = self.runners.get(event.data.cell_id)  # type: ignore[attr-defined]
-        if event.run_id != self.settings.run_id or runner is None:
+        order = event.data
+        if event.run_id != self.settings.run_id or not isinstance(order, CellAssigned):
             return
-        role = event.data.role  # type: ignore[attr-defined]
-        tx.after_commit(lambda: runner.want(role, event.version, event))
+        runner = self.runners.get(order.cell_id)
+        if runner is not None:
+            tx.after_commit(lambda: runner.want(order.role, event.version, event))
 
     async def _on_status(self, msg: Any) -> None:
         try:
