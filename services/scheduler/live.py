@@ -34,6 +34,7 @@ from shared.events import (
     ExecutionScored,
     ExecutionStarted,
     ExecutionTimedOut,
+    KvMigrated,
     QueryDispatched,
     StepCompleted,
     WeightsPublished,
@@ -46,6 +47,7 @@ FOLDED_TYPES: tuple[str, ...] = (
     "cell.draining",
     "cell.released",
     "cell.ready",
+    "kv.migrated",
     "query.dispatched",
     "execution.started",
     "execution.finished",
@@ -158,6 +160,7 @@ class _Cell:
     role: Role = Role.IDLE
     state: CellState = CellState.ACTIVE
     role_since_s: float = 0.0
+    leaving: Role | None = None  # the role a switch in progress started from (for measured switch costs)
 
 
 @dataclass(slots=True)
@@ -206,6 +209,7 @@ class RunView:
     rewards: dict[str, float] = field(default_factory=dict)
     policy_version: int = 0
     tokens_per_cell_s: float = 0.0
+    switch_samples: dict[Role, list[float]] = field(default_factory=dict)  # target role -> measured seconds
     seen: set[uuid.UUID] = field(default_factory=set)
 
     # ---- the fold ----
@@ -227,15 +231,25 @@ class RunView:
                 role = Role(data.role)
                 if role is not cell.role:
                     cell.role, cell.state = role, CellState.SWITCHING
+                    if role is not Role.ROLLOUT:
+                        self._move_sessions_off(cell.cell_id)
                 elif cell.state is CellState.DRAINING:
                     cell.state = CellState.ACTIVE
             case CellDraining():
                 cell = self._cell(data.cell_id)
+                cell.leaving = Role(data.from_role)
                 if cell.state is not CellState.SWITCHING:
                     cell.state = CellState.DRAINING
             case CellReady():
                 cell = self._cell(data.cell_id)
-                cell.role, cell.state, cell.role_since_s = Role(data.role), CellState.ACTIVE, at
+                role = Role(data.role)
+                if cell.leaving is not None and cell.leaving is not role and role is not Role.IDLE:
+                    self.switch_samples.setdefault(role, []).append(data.switch_seconds)
+                cell.role, cell.state, cell.role_since_s, cell.leaving = role, CellState.ACTIVE, at, None
+            case KvMigrated():
+                key = self.session_of.get(data.execution_id)
+                if key is not None:
+                    self.sessions[key].cell_id = data.to_cell
             case QueryDispatched():
                 self._dispatched(data)
             case ExecutionStarted():
@@ -297,6 +311,21 @@ class RunView:
             )
             self.session_of[execution_id] = (data.query_id, sample)
 
+    def _move_sessions_off(self, cell_id: str) -> None:
+        """A cell leaving rollout: its worker migrates its sessions to the least loaded other rollout
+        cells (mirrored here), or, with none left (a colocate pool turning to training), they stay parked."""
+        others = [c.cell_id for c in self.cells.values() if c.role is Role.ROLLOUT and c.cell_id != cell_id]
+        if not others:
+            return
+        load = {c: 0 for c in others}
+        for s in self.sessions.values():
+            if s.cell_id in load:
+                load[s.cell_id] += 1
+        for key in sorted(k for k, s in self.sessions.items() if s.cell_id == cell_id):
+            target = min(load, key=lambda c: (load[c], c))
+            self.sessions[key].cell_id = target
+            load[target] += 1
+
     def _started(self, data: ExecutionStarted) -> None:
         key = (data.query_id, data.sample_index)
         session = self.sessions.get(key)
@@ -340,6 +369,18 @@ class RunView:
         )
         return [n for n in range(horizon) if n not in self.dispatched_numbers]
 
+    def measured_switch_costs(self) -> SwitchCosts:
+        """The configured costs, replaced by the mean of measured switches where there are any."""
+        def mean(role: Role, default: float) -> float:
+            samples = self.switch_samples.get(role)
+            return sum(samples) / len(samples) if samples else default
+
+        return SwitchCosts(
+            to_train_s=mean(Role.TRAIN, self.switch_costs.to_train_s),
+            to_rollout_s=mean(Role.ROLLOUT, self.switch_costs.to_rollout_s),
+            migration_bytes_per_s=self.switch_costs.migration_bytes_per_s,
+        )
+
     def snapshot(self, now_s: float) -> Snapshot:
         version = self.policy_version
         reserve = self.session_reserve_tokens
@@ -372,5 +413,5 @@ class RunView:
             batch_queries=self.plan.queries_per_step,
             queries_dispatched=len(self.dispatched_numbers),
             session_kv_reserve_bytes=reserve,
-            switch_costs=self.switch_costs,
+            switch_costs=self.measured_switch_costs(),
         )

@@ -23,6 +23,7 @@ from shared.events import (
     ExecutionScored,
     ExecutionStarted,
     ExecutionTimedOut,
+    KvMigrated,
     StepCompleted,
     WeightsPublished,
     new_event,
@@ -193,12 +194,45 @@ def test_events_of_other_runs_and_duplicates_change_nothing() -> None:
     assert v.snapshot(1.0) == before
 
 
+def test_sessions_follow_migrations_and_leave_a_cell_ordered_out_of_rollout() -> None:
+    v, log = view(), Log()
+    ready_cells(v, log, {"c0": "rollout", "c1": "rollout", "c2": "rollout"})
+    v.apply(log(v.plan.dispatch(0, policy_version=0)))
+    placed = {e.execution_id: e.cell_id for e in v.snapshot(0).live}
+    assert placed == {"r1-step0-q0-s0": "c0", "r1-step0-q0-s1": "c1"}  # spread, least loaded first
+    v.apply(log(KvMigrated(execution_id="r1-step0-q0-s0", from_cell="c0", to_cell="c2", tokens=5, bytes=50,
+                           seconds=0.1, method="kv")))
+    v.apply(log(CellAssigned(cell_id="c1", role="train", policy="elastic")))
+    # c1's worker drains onto the least loaded rollout cell left (c0, empty since the migration).
+    assert {e.execution_id: e.cell_id for e in v.snapshot(0).live} == {"r1-step0-q0-s0": "c2", "r1-step0-q0-s1": "c0"}
+
+
+def test_a_pool_with_no_rollout_cell_left_parks_its_sessions() -> None:
+    v, log = view(), Log()
+    ready_cells(v, log, {"c0": "rollout"})
+    v.apply(log(v.plan.dispatch(0, policy_version=0)))
+    v.apply(log(CellAssigned(cell_id="c0", role="train", policy="colocate")))
+    assert {e.cell_id for e in v.snapshot(0).live} == {"c0"}
+
+
+def test_measured_switches_replace_the_reference_switch_costs() -> None:
+    v, log = view(), Log()
+    ready_cells(v, log, {"c0": "rollout"})
+    assert v.snapshot(0).switch_costs.to_train_s == 8.52  # nothing measured yet
+    for role, seconds in (("train", 2.0), ("rollout", 1.0), ("train", 4.0)):
+        v.apply(log(CellAssigned(cell_id="c0", role=role, policy="colocate")))  # type: ignore[arg-type]
+        v.apply(log(CellDraining(cell_id="c0", from_role="rollout" if role == "train" else "train", live_sessions=0)))
+        v.apply(log(CellReady(cell_id="c0", role=role, switch_seconds=seconds)))  # type: ignore[arg-type]
+    costs = v.snapshot(0).switch_costs
+    assert (costs.to_train_s, costs.to_rollout_s) == (3.0, 1.0)
+
+
 # ---- property: folding what a policy decides keeps the snapshot consistent ----
 
 
 @settings(max_examples=60, deadline=None)
 @given(
-    mode=st.sampled_from(["async", "colocate"]),
+    mode=st.sampled_from(["async", "colocate", "elastic"]),
     cells=st.integers(2, 4),
     staleness=st.integers(0, 2),
     script=st.lists(st.sampled_from(["tick", "finish", "step"]), min_size=1, max_size=40),
@@ -221,6 +255,8 @@ def test_a_simulated_run_dispatches_each_query_once_within_the_bound(mode, cells
                 if isinstance(a, AssignCell):
                     v.apply(log(CellAssigned(cell_id=a.cell_id, role=a.role.value, policy=mode)))
                     v.apply(log(CellReady(cell_id=a.cell_id, role=a.role.value, switch_seconds=0.1)))
+                # MigrateSession and DrainCell: the workers carry them out; the fold mirrors the moves
+                # when a cell is ordered out of rollout.
                 elif isinstance(a, DispatchQuery):
                     n = p.number_of(a.query_id)
                     assert n is not None

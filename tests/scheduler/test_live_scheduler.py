@@ -189,3 +189,22 @@ async def test_colocate_alternates_the_whole_pool_between_rollout_and_training(s
     dispatched = await events_of(store, run_id, "query.dispatched")
     assert [(e.data.step, e.data.policy_version) for e in dispatched] == [(0, 0), (1, 1)]
     assert after == before  # the run is done: the scheduler emits nothing more
+
+
+async def test_elastic_runs_live_on_the_same_policy_object_the_simulator_drives(store, bus, infra):
+    from services.scheduler.policies import ElasticPolicy
+
+    run_id = unique("run-")
+    svc = scheduler(infra, store, bus, run_id, "elastic", total_steps=1)
+    await register(store, run_id, "n1-cell0", "n1-cell1")
+    await svc.start()
+    try:
+        assigned = await wait_until(store, run_id, "cell.assigned", 1)
+        await ready(store, run_id, {e.data.cell_id: e.data.role for e in assigned})
+        dispatched = await wait_until(store, run_id, "query.dispatched", 2)
+    finally:
+        await svc.stop()
+    assert isinstance(svc.policy(2), ElasticPolicy)
+    assert "rollout" in {e.data.role for e in assigned}
+    assert [e.data.step for e in dispatched] == [0, 0]
+    assert all(e.data.policy == "elastic" for e in await events_of(store, run_id, "cell.assigned"))
