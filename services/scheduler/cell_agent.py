@@ -294,7 +294,10 @@ class CellRunner:
         self.launches += 1
         log_path = self.agent.log_dir / self.cell_id / f"{role}-{self.launches}.log"
         argv = self.command(role)
-        proc = await CellProcess.start(argv, env=self.environment(role), role=role, log_path=log_path)
+        try:
+            proc = await CellProcess.start(argv, env=self.environment(role), role=role, log_path=log_path)
+        except OSError as exc:  # a command that does not exist or cannot run
+            raise CellStartFailed(self.cell_id, role, f"could not start {argv}: {exc}") from exc
         self.log.info("cell_process_started", role=role, pid=proc.pid, argv=argv, log=str(log_path))
         try:
             version = await self._await_ready(proc, role, stop)
@@ -399,8 +402,8 @@ class CellAgent(Service):
             order = stored.event.data
             if isinstance(order, CellAssigned) and order.cell_id in self.runners:
                 self.runners[order.cell_id].want(order.role, stored.event.version, stored.event)
-        # One durable consumer per node: every agent must see every order.
-        self.on(["cell.assigned"], self._on_assigned, durable=f"cell-agent-{self.node_id}")
+        # One durable consumer per run and node: every agent must see every order of its run.
+        self.on(["cell.assigned"], self._on_assigned, durable=safe_id(f"cell-agent-{self.settings.run_id}-{self.node_id}"))
         for runner in self.runners.values():
             self.spawn(runner.run(self.stop_event), name=f"cell-{runner.cell_id}")
         self.log.info("cells_registered", cells=list(self.runners))

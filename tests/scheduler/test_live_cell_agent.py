@@ -282,3 +282,19 @@ async def test_a_health_endpoint_decides_readiness(store, bus, infra, tmp_path):
             assert (await http.get(f"http://127.0.0.1:{port}/")).status_code == 200
         env = svc.runners[cell].environment(role)
         assert env["GYRE_HEALTH_PORT"] == str(port) and env["GYRE_TRAINER_CELL_ID"] == cell
+
+
+async def test_a_command_that_cannot_start_is_retried_and_never_reported_ready(store, bus, infra, tmp_path):
+    run_id = unique("run-")
+    svc = agent(infra, store, bus, run_id, tmp_path, count=1, train_command="/nonexistent/trainer {cell_id}")
+    cell = "n1-cell0"
+    async with Running(store, bus, infra, svc):
+        await assign(store, run_id, cell, "train")
+        runner = svc.runners[cell]
+        for _ in range(600):
+            if runner.launches >= 3:
+                break
+            await asyncio.sleep(0.05)
+        assert runner.launches >= 3  # retried after each failure
+        assert runner.role == "idle" and runner.proc is None
+    assert [e.type for e in await cell_log(store, run_id, cell)] == ["cell.registered", "cell.assigned"]
