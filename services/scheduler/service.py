@@ -10,6 +10,7 @@ dispatch is appended at expected version 0 of its own stream, so it can never be
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
@@ -109,7 +110,9 @@ class SchedulerService(Service):
         await self.catch_up()
         self.log.info("scheduler_resumed", position=self.position, dispatched=len(self.view.dispatched_numbers),
                       policy_version=self.view.policy_version, cells=len(self.view.cells))
-        self.on(list(FOLDED_TYPES), self._nudge)
+        # Per run: runs sharing a subject prefix must not split one durable consumer's messages.
+        durable = re.sub(r"[^A-Za-z0-9_-]", "-", f"scheduler-{self.settings.run_id}")
+        self.on(list(FOLDED_TYPES), self._nudge, durable=durable)
         self.spawn(self._loop(), name="scheduler-tick")
 
     def health(self) -> dict[str, Any]:

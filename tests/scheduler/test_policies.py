@@ -26,7 +26,7 @@ from services.scheduler.policies import (
     make_policy,
 )
 
-PROPS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PROPS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def snap(

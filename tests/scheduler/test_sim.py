@@ -112,3 +112,43 @@ def test_unknown_preset_is_a_clear_error() -> None:
     with pytest.raises(PresetError, match="expected a preset"):
         get_preset("nl2repo-xxl")
     assert {"flagship", "repo", "terminal", "swe"} <= set(preset_names())
+
+
+# ---------------------------------------------------------------- calibration against the paper
+# Reduced runs (fewer steps, for terminal also a quarter of the cluster with the batch scaled along,
+# so the load per cell is unchanged); the full presets run in bench/sim.py. The xfail(strict) cases
+# are the published figures the model does NOT reproduce; docs/simulator.md says which assumption
+# breaks. They are strict so that a model change that reproduces them is noticed.
+
+ASYNC_RANGE = (1.38, 1.78)
+COLOCATE_RANGE = (1.21, 1.85)
+
+
+@pytest.fixture(scope="module")
+def flagship_reduced() -> dict:
+    return run_sim("flagship", 12, 0, None, plots=False, options=SimOptions(record_timeline=False))
+
+
+@pytest.fixture(scope="module")
+def terminal_reduced() -> dict:
+    return run_sim(
+        "terminal", 4, 0, None, plots=False, options=SimOptions(record_timeline=False), batch_queries=64, cells=32
+    )
+
+
+def test_flagship_elastic_over_colocate_is_within_10_percent_of_published(flagship_reduced: dict) -> None:
+    assert flagship_reduced["speedups"]["elastic_vs_colocate"] == pytest.approx(91.47 / 75.42, rel=0.10)
+
+
+def test_terminal_elastic_over_async_falls_in_the_published_range(terminal_reduced: dict) -> None:
+    assert ASYNC_RANGE[0] <= terminal_reduced["speedups"]["elastic_vs_async"] <= ASYNC_RANGE[1]
+
+
+@pytest.mark.xfail(strict=True, reason="async sized to mean demand loses far less than 1.78x; docs/simulator.md")
+def test_flagship_elastic_over_async_is_within_10_percent_of_published(flagship_reduced: dict) -> None:
+    assert flagship_reduced["speedups"]["elastic_vs_async"] == pytest.approx(134.55 / 75.42, rel=0.10)
+
+
+@pytest.mark.xfail(strict=True, reason="colocate with run-ahead hides the terminal tail; docs/simulator.md")
+def test_terminal_elastic_over_colocate_falls_in_the_published_range(terminal_reduced: dict) -> None:
+    assert COLOCATE_RANGE[0] <= terminal_reduced["speedups"]["elastic_vs_colocate"] <= COLOCATE_RANGE[1]

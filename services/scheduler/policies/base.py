@@ -29,8 +29,9 @@ class Room:
     @classmethod
     def of(cls, snapshot: Snapshot, fill: float) -> Room:
         reserved = {c.cell_id: 0 for c in snapshot.cells}
-        for e in snapshot.live:
-            reserved[e.cell_id] = reserved.get(e.cell_id, 0) + snapshot.reserved_bytes(e)
+        floor = snapshot.session_kv_reserve_bytes
+        for e in snapshot.live:  # inlined Snapshot.reserved_bytes: this loop runs every decision
+            reserved[e.cell_id] = reserved.get(e.cell_id, 0) + (e.kv_bytes if e.kv_bytes > floor else floor)
         limit = {c.cell_id: int(c.kv_capacity_bytes * fill) for c in snapshot.cells}
         return cls(reserved=reserved, limit=limit)
 

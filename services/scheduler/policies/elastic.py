@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import defaultdict
 from dataclasses import dataclass
@@ -213,10 +214,21 @@ class ElasticPolicy:
         load = {c: room.reserved[c] for c in targets}
         mean = sum(load.values()) / len(targets)
         reserve = max(1, snapshot.session_kv_reserve_bytes)
+        # Two lazy heaps find the busiest and the emptiest cell in O(log n) per move.
+        high = [(-v, c) for c, v in load.items()]
+        low = [(v, c) for c, v in load.items()]
+        heapq.heapify(high)
+        heapq.heapify(low)
         actions: list[Action] = []
-        for _ in range(self.max_moves):
-            hi = max(targets, key=lambda c: (load[c], c))
-            lo = min(targets, key=lambda c: (load[c], c))
+        while len(actions) < self.max_moves and high and low:
+            neg, hi = high[0]
+            if -neg != load[hi]:
+                heapq.heappop(high)
+                continue
+            lo_load, lo = low[0]
+            if lo_load != load[lo]:
+                heapq.heappop(low)
+                continue
             if load[hi] - mean < reserve or mean - load[lo] < reserve or not on_cell[hi]:
                 break
             e = min(on_cell[hi], key=lambda e: (snapshot.reserved_bytes(e), e.execution_id))
@@ -226,6 +238,10 @@ class ElasticPolicy:
             on_cell[hi].remove(e)
             load[hi] -= need
             load[lo] += need
+            heapq.heappush(high, (-load[hi], hi))
+            heapq.heappush(low, (load[lo], lo))
+            heapq.heappush(high, (-load[lo], lo))
+            heapq.heappush(low, (load[hi], hi))
             actions.append(MigrateSession(e.execution_id, hi, lo))
         return actions
 

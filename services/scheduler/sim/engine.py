@@ -140,6 +140,7 @@ class Simulation:
         self.decisions = 0
         self.view_cache: dict[int, tuple[tuple[int, int, bool], LiveExecution]] = {}
         self.last_refresh = -math.inf
+        self.cell_views: dict[int, tuple[tuple[Role, CellState, float], CellView]] = {}
         self.parked_session_s = 0.0
         self.peak_fill = 0.0
 
@@ -353,7 +354,7 @@ class Simulation:
     # ---------------- the policy boundary ----------------
     def snapshot(self) -> Snapshot:
         bpt = self.p.kv_bytes_per_token
-        cells = tuple(CellView(c.cell_id, c.role, c.state, int(c.cap * bpt), c.role_since) for c in self.cells)
+        cells = tuple(self._cell_view(c) for c in self.cells)
         # Contexts are reported in quanta of 1/64 of the context cap: the policy's decisions do not
         # turn on finer detail, and unchanged sessions reuse their view (the snapshot dominates cost).
         quantum = max(1.0, self.p.max_context_tokens / 64)
@@ -400,6 +401,14 @@ class Simulation:
             session_kv_reserve_bytes=self.reserve_bytes,
             switch_costs=SwitchCosts(self.p.to_train_s, self.p.to_rollout_s, self.p.migration_bytes_per_s),
         )
+
+    def _cell_view(self, c: _Cell) -> CellView:
+        key = (c.role, c.state, c.role_since)
+        hit = self.cell_views.get(c.idx)
+        if hit is None or hit[0] != key:
+            hit = (key, CellView(c.cell_id, c.role, c.state, int(c.cap * self.p.kv_bytes_per_token), c.role_since))
+            self.cell_views[c.idx] = hit
+        return hit[1]
 
     def _decide(self) -> None:
         self.next_decide = math.inf
@@ -498,7 +507,8 @@ class Simulation:
                     self._recat(cell)
                     self._reschedule(cell)
                     self._set_train_cells()
-                    self._request_decide(self.t)
+                    # Cells that become ready within a minute of each other are decided on together.
+                    self._request_decide(max(self.t, self.last_decide + 60.0))
                 case 2:
                     s = self.sessions[a]
                     s.migrating = False
