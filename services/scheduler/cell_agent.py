@@ -41,6 +41,11 @@ from shared.store import Transaction
 
 RoleName = Literal["rollout", "train", "idle"]
 
+# A command template of just `hold` runs a placeholder that only occupies the cell until it is stopped:
+# for a role whose service runs outside the agent (e.g. a single-process trainer started by `gyre run`).
+HOLD = "hold"
+HOLD_CODE = "import signal; signal.pause()"
+
 
 class CellAgentError(Exception):
     pass
@@ -251,8 +256,13 @@ class CellRunner:
 
     # ---- processes ----
 
+    def template(self, role: str) -> str:
+        return self.cfg.rollout_command if role == "rollout" else self.cfg.train_command
+
     def command(self, role: str) -> list[str]:
-        template = self.cfg.rollout_command if role == "rollout" else self.cfg.train_command
+        template = self.template(role)
+        if template.strip() == HOLD:
+            return [sys.executable, "-c", HOLD_CODE]
         values = {
             "cell_id": self.cell_id, "node_id": self.agent.node_id, "run_id": self.agent.settings.run_id,
             "python": sys.executable, "port": str(self.port or ""), "devices": self.devices,
@@ -308,7 +318,7 @@ class CellRunner:
 
     async def _await_ready(self, proc: CellProcess, role: str, stop: asyncio.Event) -> int | None:
         mode = self.cfg.rollout_ready if role == "rollout" else self.cfg.train_ready
-        if mode == "health" and self.port is None:
+        if (mode == "health" and self.port is None) or self.template(role).strip() == HOLD:
             mode = "started"
         deadline = time.monotonic() + (self.cfg.start_grace_s if mode == "started" else self.cfg.ready_timeout_s)
         async with httpx.AsyncClient(timeout=2.0) as http:

@@ -298,3 +298,17 @@ async def test_a_command_that_cannot_start_is_retried_and_never_reported_ready(s
         assert runner.launches >= 3  # retried after each failure
         assert runner.role == "idle" and runner.proc is None
     assert [e.type for e in await cell_log(store, run_id, cell)] == ["cell.registered", "cell.assigned"]
+
+
+async def test_hold_occupies_a_cell_with_a_placeholder_until_stopped(store, bus, infra, tmp_path):
+    run_id = unique("run-")
+    svc = agent(infra, store, bus, run_id, tmp_path, count=1, train_command="hold", train_ready="health",
+                health_port_base=1)
+    cell = "n1-cell0"
+    async with Running(store, bus, infra, svc):
+        await assign(store, run_id, cell, "train")
+        await wait_for(store, run_id, cell, "cell.ready", 1)  # not waiting on a health port nothing serves
+        proc = svc.runners[cell].proc
+        assert proc is not None and not proc.exited
+        pid = proc.pid
+    assert not alive(pid)
