@@ -18,8 +18,16 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.harness.agent import AgentConfig, Budget
 from services.harness.agent_core import Branch
-from services.harness.execution import AgentStopped, BuiltinHarness, Harness, grade_preserved, run_execution
+from services.harness.execution import (
+    AgentStopped,
+    BuiltinHarness,
+    Harness,
+    LoopObserver,
+    grade_preserved,
+    run_execution_async,
+)
 from services.harness.external import GatewayAccess
+from services.harness.planning import plan_query, recovery_actions
 from services.harness.tasks import Task, TaskFormatError, load_task
 from shared.events import (
     Event,
@@ -55,11 +63,6 @@ class HarnessSettings(BaseSettings):
     max_tokens: int = 256
     compact_at_tokens: int = 6000
     backend: str = "auto"
-
-
-def execution_id_for(query_id: str, sample_index: int) -> str:
-    """Deterministic, so a redelivered dispatch names the same executions."""
-    return f"{query_id}-s{sample_index}"
 
 
 class HarnessService(Service):
@@ -114,23 +117,23 @@ class HarnessService(Service):
         q = event.data
         assert isinstance(q, QueryDispatched)
         self.task(q.task_id)  # a bad task id fails here, before anything is announced
-        for index, seed in enumerate(q.seeds):
-            execution_id = execution_id_for(q.query_id, index)
+        # Execution ids derive from the query, so a redelivered dispatch names the same executions.
+        for planned in plan_query(query_id=q.query_id, task_id=q.task_id, group_size=q.group_size, seeds=q.seeds):
             started = ExecutionStarted(
-                execution_id=execution_id,
+                execution_id=planned.execution_id,
                 query_id=q.query_id,
                 task_id=q.task_id,
                 group_size=q.group_size,
-                sample_index=index,
-                seed=seed,
+                sample_index=planned.sample_index,
+                seed=planned.seed,
                 step=q.step,
                 harness=q.harness if q.harness != "builtin" else self.h.harness,
                 policy_version=q.policy_version,
                 wall_budget_s=self.h.wall_budget_s,
                 call_budget=self.h.call_budget,
             )
-            tx.append([self.event(started, stream_id=stream_id_for("execution", execution_id), cause=event)],
-                      expected_version="any")
+            stream = stream_id_for("execution", planned.execution_id)
+            tx.append([self.event(started, stream_id=stream, cause=event)], expected_version="any")
             tx.after_commit(_bind(self._launch, started, event))
 
     def _launch(self, started: ExecutionStarted, cause: Event) -> None:
@@ -164,25 +167,22 @@ class HarnessService(Service):
                                  stream, cause)
                 await self._emit(self._zero_score(started, "gateway unreachable"), stream, cause)
                 return
-            service = self
 
-            class Observer:
-                def branched(self, branch: Branch) -> None:
-                    data = ExecutionBranched(
+            async def on_branched(branch: Branch) -> None:
+                await self._emit(
+                    ExecutionBranched(
                         execution_id=execution_id, kind=branch.kind, at_call_index=branch.at_call_index,
                         from_call_index=branch.from_call_index, chain_id=branch.chain, reason=branch.reason,
-                    )
-                    asyncio.run_coroutine_threadsafe(service._emit(data, stream, cause), loop).result()
+                    ),
+                    stream, cause,
+                )
 
-                def agent_stopped(self, stopped: AgentStopped) -> None:
-                    asyncio.run_coroutine_threadsafe(
-                        service._emit(_ended(execution_id, stopped), stream, cause), loop
-                    ).result()
+            async def on_stopped(stopped: AgentStopped) -> None:
+                await self._emit(_ended(execution_id, stopped), stream, cause)
 
             budget = Budget(wall_clock_s=self.h.wall_budget_s, max_calls=self.h.call_budget)
             try:
-                result = await asyncio.to_thread(
-                    run_execution,
+                result = await run_execution_async(
                     execution_id=execution_id,
                     task=self.task(started.task_id),
                     harness=self.harness_config(),
@@ -190,7 +190,7 @@ class HarnessService(Service):
                     state_dir=self.h.work_dir / execution_id,
                     budget=budget,
                     backend=self.h.backend,
-                    observer=Observer(),
+                    observer=LoopObserver(loop, on_branched=on_branched, on_stopped=on_stopped),
                 )
             except Exception as exc:
                 log.exception("execution_failed", error=str(exc))
@@ -223,39 +223,34 @@ class HarnessService(Service):
     async def recover(self) -> None:
         """Executions this run started but never ended are timed out ('crash') and graded on what they left."""
         assert self.store is not None
-        types = ["execution.started", *END_TYPES, "execution.scored"]
+        stages: dict[str, list[Any]] = {}
         started: dict[str, ExecutionStarted] = {}
-        ended: set[str] = set()
-        scored: set[str] = set()
+        types = ["execution.started", *END_TYPES, "execution.scored"]
         for stored in await self.store.read_all(types=types, run_id=self.settings.run_id):
             data = stored.event.data
-            match stored.event.type:
-                case "execution.started":
-                    assert isinstance(data, ExecutionStarted)
-                    started[data.execution_id] = data
-                case "execution.finished" | "execution.timed_out":
-                    ended.add(data.execution_id)  # type: ignore[attr-defined]
-                case "execution.scored":
-                    scored.add(data.execution_id)  # type: ignore[attr-defined]
-        for execution_id, s in started.items():
-            if execution_id in scored:
-                continue
-            stream = stream_id_for("execution", execution_id)
-            if execution_id not in ended:
-                await self._emit(ExecutionTimedOut(execution_id=execution_id, budget="crash", elapsed_s=0, calls=0),
+            if isinstance(data, ExecutionStarted):
+                started[data.execution_id] = data
+            stage = {"execution.started": "started", "execution.scored": "scored"}.get(stored.event.type, "stopped")
+            stages.setdefault(data.execution_id, []).append(stage)  # type: ignore[attr-defined]
+        for action in recovery_actions(stages):
+            s = started[action.execution_id]
+            stream = stream_id_for("execution", s.execution_id)
+            if action.mark_timed_out:
+                await self._emit(ExecutionTimedOut(execution_id=s.execution_id, budget="crash", elapsed_s=0, calls=0),
                                  stream, None)
-            state_dir = self.h.work_dir / execution_id
             try:
-                grade = await asyncio.to_thread(grade_preserved, self.task(s.task_id), state_dir, backend=self.h.backend)
+                grade = await asyncio.to_thread(
+                    grade_preserved, self.task(s.task_id), self.h.work_dir / s.execution_id, backend=self.h.backend
+                )
             except (FileNotFoundError, TaskFormatError) as exc:
                 await self._emit(self._zero_score(s, f"nothing preserved: {exc}"), stream, None)
                 continue
             await self._emit(
-                ExecutionScored(execution_id=execution_id, query_id=s.query_id, reward=grade.score,
+                ExecutionScored(execution_id=s.execution_id, query_id=s.query_id, reward=grade.score,
                                 tests_passed=grade.passed, tests_total=len(grade.tests), timed_out=True),
                 stream, None,
             )
-            self.log.info("recovered_execution", execution_id=execution_id, reward=grade.score)
+            self.log.info("recovered_execution", execution_id=s.execution_id, reward=grade.score)
 
 
 def _bind(fn: Any, *args: Any) -> Any:

@@ -10,8 +10,9 @@ import pytest
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from services.harness.service import HarnessService, HarnessSettings, execution_id_for
-from shared.events import QueryDispatched, new_event
+from services.harness.planning import execution_id_for
+from services.harness.service import HarnessService, HarnessSettings
+from shared.events import QueryDispatched, new_event, stream_id_for
 from shared.relay import OutboxRelay
 from shared.runtime import utcnow
 from shared.settings import Settings
@@ -91,7 +92,7 @@ async def test_a_dispatched_query_runs_its_group_and_scores_each_execution(store
     }
     for e in events:  # events of one execution share its stream, in order
         if e.type.startswith("execution."):
-            assert e.stream_id == f"execution-{e.data.execution_id}"
+            assert e.stream_id == stream_id_for("execution", e.data.execution_id)
 
 
 async def test_restart_marks_unfinished_executions_timed_out_and_grades_preserved_work(store, bus, infra, tmp_path):
