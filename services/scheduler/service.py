@@ -104,6 +104,7 @@ class SchedulerService(Service):
         self._wake = asyncio.Event()
         self._policies: dict[int, Policy] = {}
         self._announced_done = False
+        self._last_error = ""
         self.log = self.log.bind(mode=self.settings.mode)
 
     async def setup(self) -> None:
@@ -188,8 +189,11 @@ class SchedulerService(Service):
             actions = policy.decide(snapshot)
             apply_actions(snapshot, actions, allow_parking=policy.allows_parking)
         except (PolicyConfigError, PolicyViolation) as exc:
-            self.log.error("no_decision", error=str(exc), cells=len(snapshot.cells))
+            if str(exc) != self._last_error:  # once per distinct reason, not every tick
+                self.log.error("no_decision", error=str(exc), cells=len(snapshot.cells))
+                self._last_error = str(exc)
             return []
+        self._last_error = ""
         emitted = await self.execute(snapshot, actions)
         if emitted:
             await self.catch_up()

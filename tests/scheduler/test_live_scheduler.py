@@ -208,3 +208,18 @@ async def test_elastic_runs_live_on_the_same_policy_object_the_simulator_drives(
     assert "rollout" in {e.data.role for e in assigned}
     assert [e.data.step for e in dispatched] == [0, 0]
     assert all(e.data.policy == "elastic" for e in await events_of(store, run_id, "cell.assigned"))
+
+
+async def test_async_with_a_single_cell_decides_nothing_until_a_trainer_cell_joins(store, bus, infra):
+    run_id = unique("run-")
+    svc = scheduler(infra, store, bus, run_id, "async", total_steps=1)
+    await register(store, run_id, "n1-cell0")
+    await svc.start()
+    try:
+        await ticks(svc)
+        assert await events_of(store, run_id, "cell.assigned") == []  # a fixed split needs two cells
+        await register(store, run_id, "n1-cell1")
+        assigned = await wait_until(store, run_id, "cell.assigned", 2)
+    finally:
+        await svc.stop()
+    assert assigned_roles(assigned) == {"n1-cell0": ["rollout"], "n1-cell1": ["train"]}
