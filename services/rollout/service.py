@@ -93,9 +93,13 @@ class RolloutWorkerService(Service):
     async def _load(self, event: Event) -> None:
         from safetensors.torch import load as load_safetensors
 
-        assert isinstance(event.data, WeightsPublished) and self.store is not None and self.bus is not None
+        assert isinstance(event.data, WeightsPublished) and self.store is not None
         ref = event.data.weights
-        blob = await (self.store.get_blob(ref) if ref.store == "pg" else self.bus.get_object(ref.digest))
+        if ref.store == "pg":
+            blob = await self.store.get_blob(ref)
+        else:
+            assert self.bus is not None
+            blob = await self.bus.get_object(ref.digest)
         await self.worker.apply_weights(event.data.version, load_safetensors(blob))
 
     async def handle(self, event: Event, tx: Transaction) -> None:

@@ -81,3 +81,29 @@ async def test_gateway_service_records_calls_and_forgets_finished_executions(inf
         await worker_bus.delete_streams()  # the service created its streams under this test's prefix
         await worker_bus.close()
         await drop_store(store)
+
+
+async def test_worker_service_loads_published_weights_from_the_blob_store(store) -> None:
+    import torch
+    from safetensors.torch import save
+
+    from services.rollout.service import RolloutWorkerService
+    from shared.events import WeightsPublished
+    from tests.rollout.fakes import CharCodec
+
+    class RecordingEngine(ScriptedEngine):
+        loaded: dict = {}
+
+        async def load_weights(self, state_dict):
+            RecordingEngine.loaded = {k: v.clone() for k, v in state_dict.items()}
+
+    service = RolloutWorkerService(Settings(run_id="run-w"), RolloutSettings(cell_id="cell-9"))
+    service.store = store
+    service.worker = RolloutWorker(RecordingEngine(CharCodec()), worker_id="w9", cell_id="cell-9")
+    weights = {"layer.weight": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
+    ref = await store.put_blob(save(weights), media_type="application/x-safetensors")
+    event = new_event(WeightsPublished(version=4, step=3, weights=ref), run_id="run-w", stream_id="step-3",
+                      version=1, occurred_at=datetime.now(UTC))
+    await service.handle(event, None)
+    assert service.worker.policy_version == 4
+    assert torch.equal(RecordingEngine.loaded["layer.weight"], weights["layer.weight"])
