@@ -98,7 +98,8 @@ def test_lower_bound_grows_with_the_work() -> None:
 
 def test_cli_writes_the_json_report_and_the_timeline(tmp_path: Path) -> None:
     result = CliRunner().invoke(
-        sim_app, ["--preset", "terminal", "--steps", "3", "--seed", "0", "--out", str(tmp_path)]
+        sim_app,
+        ["--preset", "terminal", "--steps", "3", "--cells", "16", "--batch-queries", "16", "--out", str(tmp_path)],
     )
     assert result.exit_code == 0, result.output
     summary = json.loads(result.output.strip().splitlines()[-1])
@@ -149,6 +150,13 @@ def test_flagship_elastic_over_async_is_within_10_percent_of_published(flagship_
     assert flagship_reduced["speedups"]["elastic_vs_async"] == pytest.approx(134.55 / 75.42, rel=0.10)
 
 
-@pytest.mark.xfail(strict=True, reason="colocate with run-ahead hides the terminal tail; docs/simulator.md")
 def test_terminal_elastic_over_colocate_falls_in_the_published_range(terminal_reduced: dict) -> None:
     assert COLOCATE_RANGE[0] <= terminal_reduced["speedups"]["elastic_vs_colocate"] <= COLOCATE_RANGE[1]
+
+
+@pytest.mark.xfail(strict=True, reason="async sized to mean demand loses less than 1.38x on SWE; docs/simulator.md")
+def test_swe_elastic_over_async_falls_in_the_published_range() -> None:
+    report = run_sim(
+        "swe", 4, 0, None, plots=False, options=SimOptions(record_timeline=False), batch_queries=64, cells=32
+    )
+    assert ASYNC_RANGE[0] <= report["speedups"]["elastic_vs_async"] <= ASYNC_RANGE[1]

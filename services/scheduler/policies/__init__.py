@@ -30,7 +30,14 @@ from services.scheduler.policies.snapshot import (
 POLICY_NAMES = ("elastic", "async", "colocate")
 
 
-def make_policy(name: str, *, budget_cells: int, rollout_cells: int | None = None, fill: float = 0.9) -> Policy:
+def make_policy(
+    name: str,
+    *,
+    budget_cells: int,
+    rollout_cells: int | None = None,
+    fill: float = 0.9,
+    colocate_run_ahead: bool = True,
+) -> Policy:
     """Build a policy by name; `rollout_cells` sizes async's fixed rollout pool (default: half)."""
     match name:
         case "elastic":
@@ -38,7 +45,7 @@ def make_policy(name: str, *, budget_cells: int, rollout_cells: int | None = Non
         case "async":
             return AsyncPolicy(rollout_cells=rollout_cells or max(1, budget_cells // 2), fill=fill)
         case "colocate":
-            return ColocatePolicy(fill=fill)
+            return ColocatePolicy(fill=fill, run_ahead=colocate_run_ahead)
         case _:
             raise PolicyConfigError(f"expected a policy in {POLICY_NAMES}, got {name!r}")
 

@@ -22,13 +22,16 @@ def sim(
     seed: int = typer.Option(0, help="workload seed; a seed fixes the whole run"),
     out: Path = typer.Option(Path("sim-out"), help="folder for report_<preset>.json and the images"),
     policies: str = typer.Option(",".join(POLICY_NAMES), help="comma-separated policies"),
+    cells: int | None = typer.Option(None, help="override the preset's cell budget"),
+    batch_queries: int | None = typer.Option(None, help="override the preset's queries per step"),
     sweep: bool = typer.Option(False, help="also sweep tail heaviness and cluster size"),
     plots: bool = typer.Option(True, help="write the timeline (and sweep) images"),
 ) -> None:
     """Simulate the preset under each policy and print the headline numbers as JSON."""
     names = tuple(p.strip() for p in policies.split(",") if p.strip())
     try:
-        report = run_sim(preset, steps, seed, out, policies=names, plots=plots)
+        overrides = {k: v for k, v in {"cells": cells, "batch_queries": batch_queries}.items() if v is not None}
+        report = run_sim(preset, steps, seed, out, policies=names, plots=plots, **overrides)
     except PresetError as exc:
         raise typer.BadParameter(str(exc)) from exc
     summary = {

@@ -71,6 +71,7 @@ REPO = _add(
 SWE = _add(
     REPO.scaled(
         name="swe",
+        colocate_run_ahead=False,  # minute-scale rollouts: the synchronous colocated loop (see docs)
         description="SWE tasks (DeepSWE-like): mean execution ~0.6 h, 2 h budget, ~120K tokens",
         steps=16,
         batch_queries=128,
@@ -90,6 +91,7 @@ SWE = _add(
 TERMINAL = _add(
     REPO.scaled(
         name="terminal",
+        colocate_run_ahead=False,  # minute-scale rollouts: the synchronous colocated loop (see docs)
         description="terminal tasks (Terminal-Bench-like): mean execution ~0.3 h, 1 h budget, ~60K tokens",
         steps=16,
         batch_queries=128,

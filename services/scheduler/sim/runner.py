@@ -38,7 +38,13 @@ def simulate_policy(
     w = sample_workload(preset, seed)
     if policy_name == "async" and rollout_cells is None:
         rollout_cells = async_rollout_cells(preset, seed)
-    policy = make_policy(policy_name, budget_cells=preset.cells, rollout_cells=rollout_cells, fill=preset.fill)
+    policy = make_policy(
+        policy_name,
+        budget_cells=preset.cells,
+        rollout_cells=rollout_cells,
+        fill=preset.fill,
+        colocate_run_ahead=preset.colocate_run_ahead,
+    )
     sim = Simulation(preset, w, policy, options)
     started = time.perf_counter()
     end_s = sim.run()
@@ -80,6 +86,7 @@ def metrics(sim: Simulation, end_s: float, wall_s: float, rollout_cells: int | N
         "peak_kv_fill": sim.peak_fill,
         "decisions": sim.decisions,
         "async_rollout_cells": rollout_cells,
+        "colocate_run_ahead": sim.p.colocate_run_ahead if sim.policy.name == "colocate" else None,
         "sim_wall_s": wall_s,
     }
 

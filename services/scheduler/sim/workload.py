@@ -57,6 +57,7 @@ class Preset:
     stream_training: bool = False  # train finished executions before their batch is complete
     async_rollout_share: float | None = None  # async pool split; None: sized from expected work
     fill: float = 0.9  # KV fraction the policies may reserve on a rollout cell
+    colocate_run_ahead: bool = True  # colocate starts later batches within the bound (parks them)
 
     def scaled(self, **changes: object) -> Preset:
         return replace(self, **changes)  # type: ignore[arg-type]
