@@ -13,8 +13,13 @@ from services.scheduler.policies.snapshot import CellState, CellView, Role, Snap
 class Policy(Protocol):
     """A scheduling policy: a pure function of the snapshot."""
 
-    name: str
-    allows_parking: bool  # True only for colocate, whose train phase parks live sessions in place
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def allows_parking(self) -> bool:
+        """True only for colocate, whose train phase parks live sessions in place."""
+        ...
 
     def decide(self, snapshot: Snapshot) -> list[Action]: ...
 

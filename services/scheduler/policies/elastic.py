@@ -34,6 +34,7 @@ class ElasticPolicy:
     payback: float = 2.0
     margin: int = 2
     max_moves: int = 256  # migrations per decision when spreading load
+    critical_weight: float = 2.0  # load weight of the current batch's sessions when spreading
     name: str = "elastic"
     allows_parking: bool = False
 
@@ -211,7 +212,18 @@ class ElasticPolicy:
         for e in snapshot.live:
             if e.execution_id not in moving and not e.migrating:
                 on_cell[e.cell_id].append(e)
-        load = {c: room.reserved[c] for c in targets}
+        # Sessions of the batch the trainer waits for are the critical path: they count
+        # `critical_weight` times, so spreading leaves them on lighter (faster) cells.
+        version = snapshot.trainer.policy_version
+
+        def weight(e: LiveExecution) -> float:
+            need = snapshot.reserved_bytes(e)
+            return need * self.critical_weight if e.batch == version else float(need)
+
+        real = {c: room.reserved[c] for c in targets}
+        load = {c: float(room.reserved[c]) for c in targets}
+        for c in targets:
+            load[c] += sum(weight(e) - snapshot.reserved_bytes(e) for e in on_cell[c])
         mean = sum(load.values()) / len(targets)
         reserve = max(1, snapshot.session_kv_reserve_bytes)
         # Two lazy heaps find the busiest and the emptiest cell in O(log n) per move.
@@ -231,13 +243,17 @@ class ElasticPolicy:
                 continue
             if load[hi] - mean < reserve or mean - load[lo] < reserve or not on_cell[hi]:
                 break
-            e = min(on_cell[hi], key=lambda e: (snapshot.reserved_bytes(e), e.execution_id))
+            # Move the lightest non-critical session first: critical ones stay where they run.
+            e = min(on_cell[hi], key=lambda e: (e.batch == version, snapshot.reserved_bytes(e), e.execution_id))
             need = snapshot.reserved_bytes(e)
-            if load[lo] + need > room.limit[lo] or load[lo] + need >= load[hi]:
+            w = weight(e)
+            if real[lo] + need > room.limit[lo] or load[lo] + w >= load[hi]:
                 break
             on_cell[hi].remove(e)
-            load[hi] -= need
-            load[lo] += need
+            real[hi] -= need
+            real[lo] += need
+            load[hi] -= w
+            load[lo] += w
             heapq.heappush(high, (-load[hi], hi))
             heapq.heappush(low, (load[lo], lo))
             heapq.heappush(high, (-load[lo], lo))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -30,7 +31,7 @@ def sim(
     """Simulate the preset under each policy and print the headline numbers as JSON."""
     names = tuple(p.strip() for p in policies.split(",") if p.strip())
     try:
-        overrides = {k: v for k, v in {"cells": cells, "batch_queries": batch_queries}.items() if v is not None}
+        overrides: dict[str, Any] = {k: v for k, v in {"cells": cells, "batch_queries": batch_queries}.items() if v is not None}
         report = run_sim(preset, steps, seed, out, policies=names, plots=plots, **overrides)
     except PresetError as exc:
         raise typer.BadParameter(str(exc)) from exc
