@@ -1,0 +1,282 @@
+"""Demonstrations of the generated task family for the supervised warm-start: fresh task instances from
+taskgen, each solved by one shell call and a submit, written as the JSONL that `gyre train sft` reads.
+
+The conversations are the built-in agent's (its system prompt, tools, tool-result text), so once rendered
+with the chat template they are the very tokens the gateway puts in front of the model at RL time.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shlex
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.harness import taskgen
+from services.harness.agent_core import DELEGATE, SHELL, SUBMIT, SYSTEM_PROMPT, TOOL_SCHEMAS, format_shell_result
+
+FAMILIES: tuple[str, ...] = ("create-file", "sum-numbers", "count-matches", "uppercase", "sort-lines", "move-file")
+# What the harness service's agent offers (AgentConfig's default delegation depth of 1 adds `delegate`).
+AGENT_TOOLS: tuple[str, ...] = (SHELL, DELEGATE, SUBMIT)
+TOOL_OUTPUT_CHARS = 4000  # AgentConfig.tool_output_chars: the cut applied to a shell result
+
+# Word pools for fresh instances: short lowercase words, so a command copies them token for token.
+_WORDS: tuple[str, ...] = (
+    "alpha", "apple", "bird", "blue", "cat", "cloud", "code", "data", "day", "dog", "east", "fast", "fire",
+    "fish", "good", "green", "happy", "hello", "house", "ice", "jump", "king", "lake", "light", "lime",
+    "moon", "morning", "music", "night", "north", "ocean", "open", "paper", "park", "quick", "rain", "red",
+    "river", "road", "rock", "rocks", "sand", "ship", "sky", "slow", "snow", "song", "star", "stone", "sun",
+    "tree", "water", "west", "wind", "world", "yellow", "zebra", "gyre", "test", "note", "plan", "time",
+)
+_FILE_STEMS: tuple[str, ...] = (
+    "hello", "note", "notes", "answer", "greeting", "todo", "result", "output", "message", "log", "data",
+    "info", "readme", "list", "memo", "report", "draft", "words", "text", "story", "poem", "word", "name",
+)
+_EXTENSIONS: tuple[str, ...] = ("txt", "txt", "txt", "md", "log", "csv")
+_FOLDERS: tuple[str, ...] = ("archive", "backup", "old", "done", "store", "saved", "files", "docs", "keep")
+_LEVELS: tuple[str, ...] = ("ERROR", "WARN", "INFO", "DEBUG", "timeout", "failed", "ok")
+
+
+class DemoError(ValueError):
+    """A demonstration was asked for something this generator does not cover."""
+
+
+class DemoInstance(BaseModel):
+    """One fresh task instance: its family, parameters, the instruction the agent gets, and a command that solves it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    family: str
+    task_id: str
+    params: dict[str, Any]
+    instruction: str = Field(min_length=1)
+    command: str = Field(min_length=1)
+
+    def files(self) -> dict[str, str]:
+        """The task folder's files, as taskgen writes them (task.yaml, tests, workspace...)."""
+        files = _FAMILY_FUNCTIONS[self.family](self.task_id, **self.params)
+        files["run-tests.sh"] = taskgen.RUN_TESTS
+        files["params.json"] = json.dumps(self.params, sort_keys=True) + "\n"
+        return files
+
+
+_FAMILY_FUNCTIONS = {
+    "create-file": taskgen.create_file,
+    "sum-numbers": taskgen.sum_numbers,
+    "count-matches": taskgen.count_matches,
+    "uppercase": taskgen.uppercase,
+    "sort-lines": taskgen.sort_lines,
+    "move-file": taskgen.move_file,
+}
+
+
+def demo_command(family: str, params: dict[str, Any]) -> str:
+    """The shell command a demonstration runs (in the working directory /app).
+
+    Relative paths and unquoted words where that is safe: the shorter the command, and the more its tokens
+    repeat the instruction's, the easier it is for a tiny model to copy.
+    """
+    match family:
+        case "create-file":
+            text = str(params["text"])
+            words = text.split(" ")
+            # Unquoted only when echo gives back exactly the text (plain words, single spaces).
+            value = text if all(w.isalnum() for w in words) and " ".join(words) == text else shlex.quote(text)
+            return f"echo {value} > {params['name']}"
+        case "sum-numbers":
+            return "awk '{s+=$1} END {print s}' numbers.txt > sum.txt"
+        case "count-matches":
+            return f"grep -c {shlex.quote(str(params['word']))} log.txt > count.txt"
+        case "uppercase":
+            return "tr a-z A-Z < in.txt > out.txt"
+        case "sort-lines":
+            return "LC_ALL=C sort names.txt > sorted.txt"
+        case "move-file":
+            return f"mkdir -p {params['folder']} && mv {params['name']} {params['folder']}/"
+        case other:
+            raise DemoError(f"no demonstration for family {other!r}; expected one of {list(FAMILIES)}")
+
+
+def _sample_params(family: str, rng: random.Random) -> dict[str, Any]:
+    match family:
+        case "create-file":
+            name = f"{rng.choice(_FILE_STEMS)}.{rng.choice(_EXTENSIONS)}"
+            n = rng.choice((1, 2, 2, 2, 3))
+            text = str(rng.randint(0, 999)) if rng.random() < 0.1 else " ".join(rng.choice(_WORDS) for _ in range(n))
+            return {"name": name, "text": text}
+        case "sum-numbers":
+            return {"numbers": [rng.randint(-20, 120) for _ in range(rng.randint(2, 6))]}
+        case "count-matches":
+            word = rng.choice(_LEVELS)
+            lines = [f"{rng.choice(_LEVELS)} {rng.choice(_WORDS)}" for _ in range(rng.randint(3, 7))]
+            # At least one match: `grep -c` exits 1 on none, and the demonstrated result says exit code 0.
+            lines[rng.randrange(len(lines))] = f"{word} {rng.choice(_WORDS)}"
+            return {"word": word, "lines": lines}
+        case "uppercase":
+            return {"text": " ".join(rng.choice(_WORDS) for _ in range(rng.randint(2, 4)))}
+        case "sort-lines":
+            return {"words": rng.sample(_WORDS, rng.randint(3, 6))}
+        case "move-file":
+            return {"name": f"{rng.choice(_FILE_STEMS)}.{rng.choice(_EXTENSIONS)}", "folder": rng.choice(_FOLDERS)}
+        case other:
+            raise DemoError(f"no demonstration for family {other!r}; expected one of {list(FAMILIES)}")
+
+
+def shipped_params() -> dict[str, dict[str, Any]]:
+    """The parameters of the tasks taskgen ships under tasks/ (held out of the demonstrations by default)."""
+    return {task_id: dict(params) for task_id, _, params in taskgen._families()}  # noqa: SLF001 - taskgen's own list
+
+
+def make_instance(family: str, params: dict[str, Any], task_id: str) -> DemoInstance:
+    if family not in _FAMILY_FUNCTIONS:
+        raise DemoError(f"no demonstration for family {family!r}; expected one of {list(FAMILIES)}")
+    files = _FAMILY_FUNCTIONS[family](task_id, **params)
+    instruction = str(yaml.safe_load(files["task.yaml"])["instruction"])
+    return DemoInstance(family=family, task_id=task_id, params=params, instruction=instruction, command=demo_command(family, params))
+
+
+def sample_instances(
+    *,
+    seed: int,
+    count: int,
+    families: Sequence[str] = FAMILIES,
+    weights: Sequence[float] | None = None,
+    exclude: Iterable[dict[str, Any]] = (),
+) -> list[DemoInstance]:
+    """`count` fresh instances drawn with their own seeded generator; parameter sets in `exclude` (by default
+    callers pass the shipped tasks') are never drawn, so the shipped tasks stay unseen."""
+    if count < 0:
+        raise DemoError(f"count: expected a non-negative number, got {count}")
+    unknown = [f for f in families if f not in _FAMILY_FUNCTIONS]
+    if unknown or not families:
+        raise DemoError(f"families: expected a non-empty subset of {list(FAMILIES)}, got {list(families)}")
+    excluded = {json.dumps(p, sort_keys=True) for p in exclude}
+    rng = random.Random(seed)
+    out: list[DemoInstance] = []
+    attempts = 0
+    while len(out) < count:
+        attempts += 1
+        if attempts > 100 * (count + 1):
+            raise DemoError(f"could not draw {count} instances outside the {len(excluded)} excluded parameter sets")
+        family = rng.choices(list(families), weights=list(weights) if weights else None)[0]
+        params = _sample_params(family, rng)
+        if json.dumps(params, sort_keys=True) in excluded:
+            continue
+        out.append(make_instance(family, params, f"demo-{family}-{len(out)}"))
+    return out
+
+
+def tools_system_text(system_prompt: str = SYSTEM_PROMPT, tools: Sequence[str] = AGENT_TOOLS) -> str:
+    """The system turn's text as the chat template renders a system prompt together with tools.
+
+    `gyre train sft` renders messages without a tools argument, so the tools block rides inside the system
+    message; the template renders both to the same text.
+    """
+    import jinja2.sandbox
+
+    from shared.tinymodel import chat_template
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    # Hugging Face's tojson: plain json.dumps (no HTML escaping, non-ASCII kept), which the gateway renders with.
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+    rendered = env.from_string(chat_template()).render(
+        messages=[{"role": "system", "content": system_prompt}], tools=[tool_function(name) for name in tools],
+        add_generation_prompt=False,
+    )
+    head, tail = "<|im_start|>system\n", "<|im_end|>\n"
+    if not (rendered.startswith(head) and rendered.endswith(tail)):
+        raise DemoError(f"expected the chat template to render one ChatML system turn, got {rendered[:80]!r}...")
+    return rendered[len(head) : -len(tail)]
+
+
+def tool_function(name: str) -> dict[str, Any]:
+    """An agent tool in the OpenAI function shape the gateway hands the chat template."""
+    schema = TOOL_SCHEMAS[name]
+    return {"type": "function", "function": {"name": schema["name"], "description": schema["description"], "parameters": schema["input_schema"]}}
+
+
+def shell_result(command_output: str = "", exit_code: int = 0) -> str:
+    """The shell tool's result text for a command that printed `command_output` (the agent's own format)."""
+    return format_shell_result(exit_code, command_output, "", False, TOOL_OUTPUT_CHARS)
+
+
+def demo_messages(instance: DemoInstance, system_text: str) -> list[dict[str, Any]]:
+    """The conversation in chat-template shape: system (with tools), task, shell call, its result, submit."""
+    return [
+        {"role": "system", "content": system_text},
+        {"role": "user", "content": instance.instruction},
+        {"role": "assistant", "content": "", "tool_calls": [_call(SHELL, {"command": instance.command})]},
+        {"role": "tool", "content": shell_result()},
+        {"role": "assistant", "content": "", "tool_calls": [_call(SUBMIT, {})]},
+    ]
+
+
+def anthropic_turns(instance: DemoInstance) -> list[dict[str, Any]]:
+    """The same conversation as the agent loop's Anthropic `messages` (system and tools go beside them)."""
+    return [
+        {"role": "user", "content": instance.instruction},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_demo_0", "name": SHELL, "input": {"command": instance.command}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_demo_0", "content": shell_result(), "is_error": False}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_demo_1", "name": SUBMIT, "input": {}}]},
+    ]
+
+
+def _call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def demo_records(instances: Sequence[DemoInstance], system_text: str) -> list[dict[str, Any]]:
+    """JSONL records for `gyre train sft`: the messages, plus which instance they demonstrate."""
+    return [
+        {"messages": demo_messages(i, system_text), "demo": {"family": i.family, "task_id": i.task_id, "params": i.params}}
+        for i in instances
+    ]
+
+
+def write_demos(
+    out: Path,
+    *,
+    seed: int,
+    count: int,
+    families: Sequence[str] = FAMILIES,
+    weights: Sequence[float] | None = None,
+    include_shipped: bool = False,
+) -> int:
+    """Write `count` demonstrations to `out` (JSONL); the shipped tasks' parameters are held out unless asked."""
+    exclude = [] if include_shipped else list(shipped_params().values())
+    instances = sample_instances(seed=seed, count=count, families=families, weights=weights, exclude=exclude)
+    records = demo_records(instances, tools_system_text())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    return len(records)
+
+
+def _main(argv: list[str]) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m services.harness.demos", description=__doc__)
+    parser.add_argument("out", type=Path, help="JSONL file to write")
+    parser.add_argument("--count", type=int, default=2000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated families")
+    parser.add_argument("--weights", default="", help="comma-separated sampling weights, one per family")
+    parser.add_argument("--include-shipped", action="store_true", help="also draw the shipped tasks' parameters")
+    args = parser.parse_args(argv)
+    families = [f.strip() for f in args.families.split(",") if f.strip()]
+    weights = [float(w) for w in args.weights.split(",")] if args.weights else None
+    if weights is not None and len(weights) != len(families):
+        raise SystemExit(f"--weights: expected {len(families)} numbers (one per family), got {len(weights)}")
+    n = write_demos(args.out, seed=args.seed, count=args.count, families=families, weights=weights, include_shipped=args.include_shipped)
+    print(json.dumps({"demos": n, "out": str(args.out)}))
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])

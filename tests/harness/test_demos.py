@@ -1,0 +1,173 @@
+"""Demonstrations for the warm-start: fresh instances, commands that solve them, and token identity with
+what the gateway renders for the same conversation at RL time."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.harness import demos
+from services.harness.agent_core import SYSTEM_PROMPT, TOOL_SCHEMAS
+from services.harness.tasks import load_task
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from transformers import AutoTokenizer
+
+    from shared.tinymodel import create_tiny_model
+
+    model_dir = tmp_path_factory.mktemp("tiny")
+    create_tiny_model(model_dir, seed=0)
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def test_sampling_is_deterministic_for_a_seed_and_differs_across_seeds() -> None:
+    a = demos.sample_instances(seed=3, count=40)
+    b = demos.sample_instances(seed=3, count=40)
+    c = demos.sample_instances(seed=4, count=40)
+    assert a == b
+    assert [i.params for i in a] != [i.params for i in c]
+
+
+def test_fresh_instances_cover_every_family_and_vary_their_parameters() -> None:
+    instances = demos.sample_instances(seed=0, count=300)
+    assert {i.family for i in instances} == set(demos.FAMILIES)
+    create = [json.dumps(i.params, sort_keys=True) for i in instances if i.family == "create-file"]
+    assert len(set(create)) > 0.8 * len(create)
+
+
+def test_shipped_task_parameters_are_held_out() -> None:
+    shipped = demos.shipped_params()
+    # Draw only from create-file with a huge count so a collision would be likely if exclusion did not work.
+    instances = demos.sample_instances(seed=1, count=3000, families=["create-file"], exclude=shipped.values())
+    drawn = {json.dumps(i.params, sort_keys=True) for i in instances}
+    assert not drawn & {json.dumps(p, sort_keys=True) for p in shipped.values()}
+
+
+def test_instance_instruction_is_the_one_taskgen_writes() -> None:
+    instance = demos.make_instance("create-file", {"name": "memo.md", "text": "blue sky"}, "t")
+    assert instance.instruction == "Create a file named memo.md in /app containing exactly this text: blue sky"
+    assert instance.command == "echo blue sky > memo.md"
+
+
+def test_text_that_echo_would_change_is_quoted() -> None:
+    assert demos.demo_command("create-file", {"name": "a.txt", "text": "two  spaces"}) == "echo 'two  spaces' > a.txt"
+    assert demos.demo_command("create-file", {"name": "a.txt", "text": "$HOME"}) == "echo '$HOME' > a.txt"
+
+
+def test_unknown_family_is_refused_with_the_known_ones() -> None:
+    with pytest.raises(demos.DemoError, match="create-file"):
+        demos.sample_instances(seed=0, count=1, families=["bake-cake"])
+
+
+@given(seed=st.integers(min_value=0, max_value=2**31), count=st.integers(min_value=0, max_value=30))
+@settings(max_examples=30, deadline=None)
+def test_records_are_well_formed_sft_conversations(seed: int, count: int) -> None:
+    records = demos.demo_records(demos.sample_instances(seed=seed, count=count), "SYSTEM")
+    assert len(records) == count
+    for record in records:
+        roles = [m["role"] for m in record["messages"]]
+        assert roles == ["system", "user", "assistant", "tool", "assistant"]
+        shell, submit = record["messages"][2]["tool_calls"][0], record["messages"][4]["tool_calls"][0]
+        assert shell["function"]["name"] == "shell" and shell["function"]["arguments"]["command"]
+        assert submit["function"]["name"] == "submit"
+
+
+def test_written_jsonl_loads_with_the_sft_loader(tmp_path: Path) -> None:
+    from services.trainer.sft import load_conversations
+
+    out = tmp_path / "demos.jsonl"
+    assert demos.write_demos(out, seed=0, count=25) == 25
+    conversations = load_conversations(out)
+    assert len(conversations) == 25
+    assert conversations[0][0]["content"] == demos.tools_system_text()
+
+
+@pytest.mark.parametrize("family", demos.FAMILIES)
+def test_demonstrated_command_solves_a_fresh_instance_in_the_sandbox(family: str, tmp_path: Path) -> None:
+    from services.harness.sandbox import make_sandbox
+    from services.harness.taskrun import prepare, run_tests, sandbox_spec_for
+
+    instance = demos.sample_instances(seed=7, count=1, families=[family])[0]
+    folder = tmp_path / instance.task_id
+    for relative, text in instance.files().items():
+        path = folder / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        if relative.endswith(".sh"):
+            path.chmod(0o755)
+    task = load_task(folder)
+    sandbox = make_sandbox(tmp_path / "state", sandbox_spec_for(task))
+    try:
+        prepare(task, sandbox)
+        result = sandbox.exec(instance.command, timeout_s=30)
+        # The demonstration shows the tool result the agent would really get.
+        assert demos.shell_result(result.stdout, result.exit_code or 0) == demos.shell_result()
+        assert result.ok
+        graded, _ = run_tests(task, sandbox)
+    finally:
+        sandbox.close()
+    assert graded.score == 1.0, graded
+
+
+# --- token identity with the gateway (the warm-start must see the tokens RL will) --------------------------
+
+
+def test_system_text_renders_like_the_template_with_tools(tokenizer: Any) -> None:
+    tools = [demos.tool_function(name) for name in demos.AGENT_TOOLS]
+    with_tools = tokenizer.apply_chat_template(
+        [{"role": "system", "content": SYSTEM_PROMPT}], tools=tools, tokenize=False
+    )
+    inline = tokenizer.apply_chat_template([{"role": "system", "content": demos.tools_system_text()}], tokenize=False)
+    assert inline == with_tools
+
+
+def _gateway_tokens(tokenizer: Any, instance: demos.DemoInstance) -> tuple[list[int], list[bool]]:
+    """Replay the agent's two calls through the gateway's Anthropic adapter and token-in/token-out, with the
+    model 'generating' exactly the demonstrated replies; returns the trajectory's ids and which are generated."""
+    from services.rollout.anthropic_api import parse_request
+    from services.rollout.codec import TokenizerCodec, reply_message
+    from services.rollout.tito import TitoState
+
+    codec = TokenizerCodec(tokenizer)
+    state = TitoState()
+    turns = demos.anthropic_turns(instance)
+    tools = [TOOL_SCHEMAS[name] for name in demos.AGENT_TOOLS]
+    ids: list[int] = []
+    generated: list[bool] = []
+    for n_messages, reply_index in ((1, 1), (3, 3)):
+        body = {"model": "m", "max_tokens": 64, "system": SYSTEM_PROMPT, "tools": tools, "messages": turns[:n_messages]}
+        plan = state.plan(parse_request(body).conversation, codec)
+        assert list(plan.prompt[: len(ids)]) == ids, "the second call must extend the first call's tokens"
+        # What the model emits for the demonstrated reply: the template's text of that turn up to end of turn.
+        reply_conv = parse_request(body | {"messages": turns[: reply_index + 1]}).conversation
+        reply_text = codec.render(reply_conv, add_generation_prompt=False)[len(plan.prompt_text) :]
+        reply_text = reply_text[: reply_text.index(codec.end_of_turn) + len(codec.end_of_turn)]
+        completion = np.asarray(codec.encode(reply_text), dtype=np.int32)
+        reply = reply_message(codec.decode(list(completion)))
+        assert reply == reply_conv.messages[-1]
+        state.commit(plan, completion=completion, reply=reply, codec=codec)
+        generated += [False] * (len(plan.prompt) - len(ids)) + [True] * len(completion)
+        ids = [*plan.prompt.tolist(), *completion.tolist()]
+    return ids, generated
+
+
+@pytest.mark.parametrize("family", demos.FAMILIES)
+def test_sft_rendering_equals_the_gateway_tokens_at_rl_time(tokenizer: Any, family: str) -> None:
+    from services.trainer.sft import render_conversation
+
+    system_text = demos.tools_system_text()
+    for instance in demos.sample_instances(seed=11, count=3, families=[family]):
+        sft = render_conversation(tokenizer, demos.demo_messages(instance, system_text))
+        rl_ids, rl_generated = _gateway_tokens(tokenizer, instance)
+        # The SFT rendering ends with the template's newline after the last end of turn; RL stops at the EOS.
+        assert sft.ids[: len(rl_ids)] == rl_ids
+        assert sft.ids[len(rl_ids) :] == tokenizer.encode("\n", add_special_tokens=False)
+        assert sft.target[: len(rl_ids)] == rl_generated
