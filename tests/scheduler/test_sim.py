@@ -160,3 +160,14 @@ def test_swe_elastic_over_async_falls_in_the_published_range() -> None:
         "swe", 4, 0, None, plots=False, options=SimOptions(record_timeline=False), batch_queries=64, cells=32
     )
     assert ASYNC_RANGE[0] <= report["speedups"]["elastic_vs_async"] <= ASYNC_RANGE[1]
+
+
+def test_sweep_reports_speedups_per_budget_and_cluster_size_and_draws_them(tmp_path: Path) -> None:
+    from services.scheduler.sim.sweep import run_sweep
+
+    sweep = run_sweep("terminal", steps=2, budgets=(1.0,), sizes=(0.25, 0.5), out_dir=tmp_path)
+    assert [row["x"] for row in sweep["cluster_size"]] == [16, 32]
+    assert sweep["tail"][0]["x"] == get_preset("terminal").timeout_h
+    for row in sweep["tail"] + sweep["cluster_size"]:
+        assert row["elastic_vs_async"] > 0 and row["elastic_vs_colocate"] > 0
+    assert (tmp_path / "sweep_terminal.png").stat().st_size > 10_000
