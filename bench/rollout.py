@@ -85,6 +85,11 @@ async def _throughput(args: argparse.Namespace, engine: Any, model_dir: Path, na
                              {"role": "user", "content": f"Result of step {turn}: ok. Continue."}]
             return produced
 
+        # Warm-up: a fresh engine's first batches are slow (allocation, kernel selection); neither path pays it.
+        warm = SamplingSpec(max_tokens=args.max_tokens, temperature=0.0)
+        for rnd in range(2):
+            await asyncio.gather(*(engine.generate(list(range(100 + i, 400 + i + 37 * rnd)), warm, f"warm-{rnd}-{i}")
+                                   for i in range(args.executions)))
         await engine.reset_prefix_cache()
         started = time.perf_counter()
         gateway_tokens = sum(await asyncio.gather(*(agent(i) for i in range(args.executions))))
