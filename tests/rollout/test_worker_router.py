@@ -6,6 +6,8 @@ import asyncio
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services.rollout.protocol import DrainRequest, GenerateRequest, SamplingSpec, TokenPayload, tokens_digest
 from services.rollout.router import NoCapacity, Router, WorkerDirectory
@@ -145,3 +147,29 @@ def test_kv_prompt_length_matches_the_connector_key_rule() -> None:
             assert n <= block + 1
             continue
         assert (len(p) - 1) % block != 0 and len(p) in (n, n - 1) and (len(p) - 1) // block >= 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 1), st.lists(st.integers(100, 120), min_size=1, max_size=12)),
+                min_size=1, max_size=10))
+def test_deltas_always_rebuild_the_intended_prompt_on_the_worker(steps) -> None:
+    """Whatever the next prompt (continuation, fork at any point, retry), the engine sees exactly that prompt."""
+
+    async def scenario() -> None:
+        engine = ScriptedEngine(CODEC, lambda p: "r" * (len(p) % 5))
+        workers = LocalWorkers()
+        worker = workers.add(RolloutWorker(engine, worker_id="w", cell_id="c"))
+        directory = WorkerDirectory(stale_after_s=1e9)
+        directory.update(worker.status())
+        router = Router(directory, workers)
+        history = np.zeros(0, dtype=np.int32)
+        for k, (cut, extra) in enumerate(steps):
+            keep = int(cut * len(history))  # 1.0 = continue the full history; less = fork inside it
+            prompt = np.concatenate([history[:keep], np.asarray(extra, dtype=np.int32)])
+            reply = await router.generate(execution_id="e", chain_id="main", prompt=prompt,
+                                          sampling=SamplingSpec(max_tokens=8), request_id=f"r{k}")
+            assert reply.status == "ok"
+            assert engine.prompts[-1] == [int(t) for t in prompt]
+            history = np.concatenate([prompt, np.asarray(reply.completion, dtype=np.int32)])
+
+    asyncio.run(scenario())
