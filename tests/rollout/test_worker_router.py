@@ -173,3 +173,30 @@ def test_deltas_always_rebuild_the_intended_prompt_on_the_worker(steps) -> None:
             history = np.concatenate([prompt, np.asarray(reply.completion, dtype=np.int32)])
 
     asyncio.run(scenario())
+
+
+async def test_kv_migration_falls_back_to_recompute_when_the_target_loads_nothing() -> None:
+    class KvEngine(ScriptedEngine):
+        kv_transfer = True
+
+        def kv_bytes(self, prompt):
+            return 4096
+
+    events: list = []
+
+    async def emit(data):
+        events.extend(data)
+
+    stack = build_stack([KvEngine(CODEC), ScriptedEngine(CODEC)], CODEC, emit=emit)
+    stack.local.workers["w1"].state = "draining"
+    stack.refresh()
+    await stack.anthropic(stack.registry.register("exec-k")).messages.create(
+        model="tiny", max_tokens=50, messages=[{"role": "user", "content": "x" * 200}])
+    stack.local.workers["w1"].state = "active"
+    stack.refresh()
+    # The scripted target reports no cached tokens for the kvload request (nothing was really moved).
+    stack.engines[1].prompts.clear()
+    reply = await stack.local.workers["w0"].drain(DrainRequest())
+    assert reply.ok and reply.migrated[0].method == "recompute" and reply.migrated[0].bytes == 0
+    assert events[0].method == "recompute"
+    assert len(stack.engines[0].prompts) == 2  # the call itself, then the kvsave prefill on the source
