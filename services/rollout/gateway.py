@@ -60,6 +60,11 @@ class GatewayCore:
         self.executions: dict[str, ExecutionState] = {}
         self.log = get_logger(component="gateway")
 
+    def context_limit(self) -> int:
+        """The configured context, or less when the live workers serve a shorter one."""
+        lengths = [s.max_model_len for s in self.router.directory.live()]
+        return min([self.max_model_len, *lengths])
+
     def _state(self, execution_id: str) -> ExecutionState:
         return self.executions.setdefault(execution_id, ExecutionState())
 
@@ -80,9 +85,10 @@ class GatewayCore:
             started = time.perf_counter()
             plan = state.tito.plan(parsed.conversation, self.codec)
             prompt_len = len(plan.prompt)
-            room = self.max_model_len - prompt_len
+            context = self.context_limit()
+            room = context - prompt_len
             if room < 1:
-                raise invalid(f"prompt is too long: {prompt_len} tokens > {self.max_model_len - 1} maximum")
+                raise invalid(f"prompt is too long: {prompt_len} tokens > {context - 1} maximum")
             requested = parsed.sampling.max_tokens
             # Harnesses (Claude Code asks for 32000) get what the context leaves rather than an error.
             max_tokens = room if requested is None else min(requested, room)

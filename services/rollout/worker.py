@@ -294,8 +294,10 @@ class RolloutWorker:
                     kv_prompt_len=len(prompt),
                     from_worker=self.worker_id,
                 )
-                reply = await self.peers.adopt(target.worker_id, adopt, history)
-                self.engine.drop_kv([int(t) for t in prompt])
+                try:
+                    reply = await self.peers.adopt(target.worker_id, adopt, history)
+                finally:
+                    self.engine.drop_kv([int(t) for t in prompt])  # the shared folder only holds KV in transit
                 if not reply.ok or reply.cached_tokens == 0:
                     self.log.warning("kv_migration_fell_back", execution_id=session.execution_id, detail=reply.detail)
                     reply = None
