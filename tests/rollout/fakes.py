@@ -6,16 +6,21 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import jinja2
 import numpy as np
 
 from services.rollout.codec import reply_message
 from services.rollout.conversation import Conversation
+from services.rollout.credentials import ExecutionRegistry
 from services.rollout.engine import EngineOutput
+from services.rollout.gateway import GatewayCore, create_app
 from services.rollout.protocol import AdoptReply, AdoptRequest, GenerateReply, GenerateRequest, SamplingSpec, WorkerStatus
-from services.rollout.router import WorkerUnreachable
+from services.rollout.recording import InMemoryCallRecorder
+from services.rollout.router import Router, WorkerDirectory, WorkerUnreachable
 from services.rollout.worker import RolloutWorker
 from shared.tinymodel import chat_template
 
@@ -151,19 +156,7 @@ def tool_call_text(name: str, arguments: dict[str, Any], text: str = "") -> str:
     return f"{text}\n<tool_call>\n{body}\n</tool_call>" if text else f"<tool_call>\n{body}\n</tool_call>"
 
 
-__all__ = ["CharCodec", "LocalWorkers", "ScriptedEngine", "reply_message", "tool_call_text"]
-
-
 # ---- an in-process gateway over fake or real engines ------------------------------------------------
-
-from dataclasses import dataclass, field  # noqa: E402
-
-import httpx  # noqa: E402
-
-from services.rollout.credentials import ExecutionRegistry  # noqa: E402
-from services.rollout.gateway import GatewayCore, create_app  # noqa: E402
-from services.rollout.recording import InMemoryCallRecorder  # noqa: E402
-from services.rollout.router import Router, WorkerDirectory  # noqa: E402
 
 
 @dataclass
@@ -227,3 +220,6 @@ def build_stack(
         w._on_change = stack.refresh
     stack.refresh()
     return stack
+
+
+__all__ = ["CharCodec", "LocalWorkers", "ScriptedEngine", "Stack", "build_stack", "reply_message", "tool_call_text"]
