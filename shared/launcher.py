@@ -1,0 +1,257 @@
+"""`gyre run`: the whole RL loop on one machine, each service as its own process with the same command
+compose.yaml uses, a live view of the run, and a report at the end.
+
+The launcher only starts processes and reads the event log; the services talk to each other through
+NATS and PostgreSQL exactly as they would on separate nodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from shared import local
+from shared.report import build_report, summary_lines, write_report
+from shared.settings import load_settings, new_run_id
+
+console = Console()
+
+
+@dataclass
+class Proc:
+    name: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    popen: subprocess.Popen[bytes] | None = None
+
+    def start(self, base_env: dict[str, str], log_dir: Path) -> None:
+        log = open(log_dir / f"{self.name}.log", "ab")
+        self.popen = subprocess.Popen(
+            self.argv, env={**base_env, **self.env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if not self.alive():
+            return
+        assert self.popen is not None
+        os.killpg(self.popen.pid, signal.SIGTERM)
+        try:
+            self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait()
+
+
+def service_processes(python: str) -> list[Proc]:
+    """Every long-running process of a run, in start order (the same entry points compose.yaml runs).
+
+    The cell agent starts the rollout workers on its cells; the trainer runs as one process for the
+    run, so train cells only hold their place (`GYRE_CELL_TRAIN_COMMAND=hold`).
+    """
+    return [
+        Proc("relay", [python, "-m", "shared.relay"]),
+        Proc("trajectory", [python, "-m", "services.trajectory"]),
+        Proc("trainer", [python, "-m", "services.trainer"]),
+        Proc("gateway", [python, "-m", "services.rollout", "gateway"]),
+        Proc("harness", [python, "-m", "services.harness"]),
+        Proc("cells", [python, "-m", "services.scheduler", "cell"]),
+        Proc("scheduler", [python, "-m", "services.scheduler", "serve"]),
+    ]
+
+
+def loop_environment(
+    *,
+    run_id: str,
+    nats_url: str,
+    database_url: str,
+    model_dir: Path,
+    run_dir: Path,
+    mode: str,
+    steps: int,
+    group_size: int,
+    max_staleness: int,
+    seed: int,
+    task_ids: list[str],
+    gateway_port: int,
+    cells: int = 2,
+    extra: dict[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment every process of one run shares (settings are `GYRE_…` variables)."""
+    cache = run_dir / "cache"
+    cache.mkdir(parents=True, exist_ok=True)
+    # vLLM binds IPC sockets under TMPDIR and a socket path may not exceed 107 bytes: keep it short.
+    ipc = Path(tempfile.gettempdir()) / f"gyre-{hashlib.sha1(run_id.encode()).hexdigest()[:10]}"
+    ipc.mkdir(parents=True, exist_ok=True)
+    env = {
+        **os.environ,
+        "GYRE_RUN_ID": run_id,
+        "GYRE_NATS_URL": nats_url,
+        "GYRE_DATABASE_URL": database_url,
+        "GYRE_STATE_DIR": str(run_dir / "state"),
+        "GYRE_MODEL_DIR": str(model_dir),
+        "GYRE_MODE": mode,
+        "GYRE_GROUP_SIZE": str(group_size),
+        "GYRE_MAX_STALENESS": str(max_staleness),
+        "GYRE_SCHEDULER_TOTAL_STEPS": str(steps),
+        "GYRE_SCHEDULER_SEED": str(seed),
+        "GYRE_SCHEDULER_TASK_IDS": ",".join(task_ids),
+        "GYRE_SCHEDULER_MIN_CELLS": str(cells),
+        "GYRE_SCHEDULER_TICK_S": "0.5",
+        "GYRE_CELL_COUNT": str(cells),
+        "GYRE_CELL_TRAIN_COMMAND": "hold",
+        "GYRE_CELL_LOG_DIR": str(run_dir / "logs" / "cells"),
+        "GYRE_ROLLOUT_PORT": str(gateway_port),
+        "GYRE_ROLLOUT_MODEL_NAME": "gyre-tiny",
+        "GYRE_HARNESS_GATEWAY_URL": f"http://127.0.0.1:{gateway_port}",
+        "GYRE_HARNESS_MODEL_NAME": "gyre-tiny",
+        "GYRE_HARNESS_WORK_DIR": str(run_dir / "executions"),
+        "GYRE_TRAINER_CHECKPOINT_DIR": str(run_dir / "checkpoints"),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        "VLLM_CACHE_ROOT": str(cache / "vllm"),
+        "TMPDIR": str(ipc),
+        "PYTHONUNBUFFERED": "1",
+    }
+    env.update(extra or {})
+    return env
+
+
+def start_all(procs: list[Proc], env: dict[str, str], log_dir: Path) -> None:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    for proc in procs:
+        proc.start(env, log_dir)
+
+
+def stop_all(procs: list[Proc]) -> None:
+    for proc in reversed(procs):
+        proc.stop()
+
+
+async def _watch(database_url: str, run_id: str, steps: int, procs: list[Proc], timeout_s: float) -> list:
+    from shared.store import EventStore
+
+    store = await EventStore.connect(database_url)
+    events: list = []
+    position = 0
+    started = time.monotonic()
+    try:
+        with Live(console=console, refresh_per_second=2) as live:
+            while True:
+                page = await store.read_after(position, run_id=run_id, limit=5000)
+                if page:
+                    position = page[-1].position
+                    events += [s.event for s in page]
+                live.update(_view(events, procs, steps, time.monotonic() - started))
+                done = sum(1 for e in events if e.type == "step.completed")
+                if done >= steps:
+                    return events
+                dead = [p.name for p in procs if not p.alive()]
+                if dead:
+                    raise RuntimeError(f"process(es) exited early: {', '.join(dead)} (see the logs)")
+                if time.monotonic() - started > timeout_s:
+                    raise TimeoutError(f"the run did not finish {steps} steps within {timeout_s:.0f} s")
+                await asyncio.sleep(0.5)
+    finally:
+        await store.close()
+
+
+def _view(events: list, procs: list[Proc], steps: int, elapsed: float) -> Table:
+    roles: dict[str, str] = {}
+    running: set[str] = set()
+    counts = Counter(e.type for e in events)
+    rewards: dict[int, list[float]] = {}
+    step_of: dict[str, int] = {}
+    for e in events:
+        d = e.data
+        match e.type:
+            case "cell.assigned":
+                roles[d.cell_id] = f"{d.role} (switching)"
+            case "cell.ready":
+                roles[d.cell_id] = d.role
+            case "execution.started":
+                running.add(d.execution_id)
+                step_of[d.execution_id] = d.step
+            case "execution.finished" | "execution.timed_out":
+                running.discard(d.execution_id)
+            case "execution.scored":
+                rewards.setdefault(step_of.get(d.execution_id, 0), []).append(d.reward)
+    table = Table(title=f"Gyre run — {elapsed:.0f} s — steps {counts['step.completed']}/{steps}")
+    table.add_column("what")
+    table.add_column("state")
+    for cell, role in sorted(roles.items()):
+        table.add_row(f"cell {cell}", role)
+    table.add_row("executions running", str(len(running)))
+    table.add_row("executions scored", str(counts["execution.scored"]))
+    for step, values in sorted(rewards.items()):
+        table.add_row(f"step {step} reward", f"{sum(values) / len(values):.3f} over {len(values)}")
+    table.add_row("processes", ", ".join(f"{p.name}{'' if p.alive() else ' (down)'}" for p in procs))
+    return table
+
+
+def learnable_tasks() -> list[str]:
+    """The simple generated task family a tiny model can learn (tasks/<family>-<n>)."""
+    families = ("create-file",)
+    return sorted(p.name for p in Path("tasks").iterdir() if p.name.rsplit("-", 1)[0] in families)
+
+
+def run(
+    mode: Annotated[str, typer.Option(help="elastic, async or colocate.")] = "async",
+    steps: Annotated[int, typer.Option(help="RL steps to train.")] = 6,
+    seed: Annotated[int, typer.Option(help="Seed for the model, the tasks and the sampling.")] = 0,
+    group_size: Annotated[int, typer.Option(help="Executions per query (G).")] = 4,
+    max_staleness: Annotated[int, typer.Option(help="Policy versions a rollout may lag the trainer.")] = 1,
+    timeout_s: Annotated[float, typer.Option(help="Give up after this many seconds.")] = 1500.0,
+) -> None:
+    """Run the RL loop: infrastructure, tiny model, SFT warm-start, then RL with every service as a process."""
+    if mode not in ("elastic", "async", "colocate"):
+        raise typer.BadParameter(f"--mode must be elastic, async or colocate, got {mode!r}")
+    settings = load_settings()
+    endpoints = local.up(settings.state_dir, nats_url=settings.nats_url, database_url=settings.database_url)
+    run_id = new_run_id()
+    run_dir = Path("runs") / run_id
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    console.print(f"[bold]run {run_id}[/] — mode {mode}, {steps} steps, G={group_size}, staleness {max_staleness}")
+    from shared.tinymodel import create_tiny_model
+
+    model_dir = create_tiny_model(run_dir / "model", seed=seed, size="tiny")
+    env = loop_environment(
+        run_id=run_id, nats_url=endpoints.nats_url, database_url=endpoints.database_url, model_dir=model_dir,
+        run_dir=run_dir, mode=mode, steps=steps, group_size=group_size, max_staleness=max_staleness, seed=seed,
+        task_ids=learnable_tasks(), gateway_port=local.free_port(),
+    )
+    procs = service_processes(sys.executable)
+    try:
+        start_all(procs, env, run_dir / "logs")
+        events = asyncio.run(_watch(endpoints.database_url, run_id, steps, procs, timeout_s))
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted: stopping every process[/]")
+        raise typer.Exit(130)
+    finally:
+        stop_all(procs)
+    report = build_report(run_id, events)
+    written = write_report(report, run_dir)
+    for line in summary_lines(report):
+        console.print(line)
+    console.print("report: " + ", ".join(str(p) for p in written))
+
+
+run_app = run

@@ -1,0 +1,115 @@
+"""The shortened RL loop end to end: every service as its own process over real NATS and PostgreSQL,
+a real vLLM engine on the tiny model, real sandboxes — one query, G executions, one training step, one
+weight reload — and the events it leaves in the log, in a valid order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shared.launcher import loop_environment, service_processes, start_all, stop_all
+from shared.local import free_port
+from tests.conftest import Infra, unique
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
+pytest.importorskip("vllm", reason="the loop needs the vLLM engine (install the cpu or gpu extra)")
+
+GROUP = 2
+
+
+async def wait_for(predicate, what: str, timeout: float, procs) -> None:
+    deadline = time.monotonic() + timeout
+    while not await predicate():
+        dead = [p.name for p in procs if not p.alive()]
+        if dead:
+            raise AssertionError(f"{', '.join(dead)} exited while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        await asyncio.sleep(1.0)
+
+
+def first(events, type_: str, **match) -> int:
+    for i, e in enumerate(events):
+        if e.type == type_ and all(getattr(e.data, k) == v for k, v in match.items()):
+            return i
+    raise AssertionError(f"no {type_} {match} in the log")
+
+
+async def test_one_step_of_the_loop_runs_through_every_service(store, bus, infra: Infra, tmp_path: Path):
+    from shared.tinymodel import create_tiny_model
+
+    run_id = unique("e2e-")
+    model_dir = create_tiny_model(tmp_path / "model", seed=0, size="tiny")
+    env = loop_environment(
+        run_id=run_id, nats_url=infra.nats_url, database_url=infra.database_url, model_dir=model_dir,
+        run_dir=tmp_path, mode="async", steps=1, group_size=GROUP, max_staleness=1, seed=0,
+        task_ids=["create-file-1"], gateway_port=free_port(),
+        extra={
+            "GYRE_DB_SCHEMA": store.schema,
+            "GYRE_SUBJECT_PREFIX": bus.prefix,
+            "GYRE_DROP_ZERO_VARIANCE": "false",  # an untrained model scores 0: train on the batch anyway
+            "GYRE_HARNESS_WALL_BUDGET_S": "90",
+            "GYRE_HARNESS_CALL_BUDGET": "3",
+            "GYRE_HARNESS_MAX_TOKENS": "48",
+            "GYRE_ROLLOUT_MAX_MODEL_LEN": "8192",
+        },
+    )
+    versions: list[int] = []
+
+    async def on_status(msg) -> None:
+        versions.append(json.loads(msg.data).get("policy_version", 0))
+
+    sub = await bus.nc.subscribe(f"{bus.prefix}.rollout.status", cb=on_status)
+    procs = service_processes(sys.executable)
+    log_dir = tmp_path / "logs"
+    try:
+        start_all(procs, env, log_dir)
+
+        async def trained() -> bool:
+            return any(s.event.type == "weights.published" and s.event.data.version == 1
+                       for s in await store.read_all(run_id=run_id))
+
+        await wait_for(trained, "the first training step's weights", 600, procs)
+
+        async def reloaded() -> bool:
+            return any(v >= 1 for v in versions)
+
+        await wait_for(reloaded, "the rollout worker to load policy version 1", 120, procs)
+    except AssertionError:
+        for log in sorted(log_dir.rglob("*.log")):
+            print(f"==== {log}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:]))
+        raise
+    finally:
+        stop_all(procs)
+        await sub.unsubscribe()
+
+    events = [s.event for s in await store.read_all(run_id=run_id)]
+    types = [e.type for e in events]
+    assert types.count("cell.registered") == 2
+    assert types.count("execution.started") == GROUP and types.count("execution.scored") == GROUP
+    assert types.count("batch.ready") == 1 and types.count("step.completed") == 1
+    assert types.count("call.completed") >= GROUP
+    # A valid order: cells up before dispatch; each execution's life in order; the step after its batch.
+    assert first(events, "cell.ready", role="rollout") < first(events, "query.dispatched")
+    assert first(events, "query.dispatched") < first(events, "execution.started")
+    for e in events:
+        if e.type == "execution.started":
+            eid = e.data.execution_id
+            start = first(events, "execution.started", execution_id=eid)
+            call = first(events, "call.completed", execution_id=eid)
+            end = min(i for i, x in enumerate(events)
+                      if x.type in ("execution.finished", "execution.timed_out") and x.data.execution_id == eid)
+            scored = first(events, "execution.scored", execution_id=eid)
+            assert start < call < end < scored
+    batch = first(events, "batch.ready")
+    assert max(i for i, e in enumerate(events) if e.type == "execution.scored") < batch
+    assert batch < first(events, "step.completed") < first(events, "weights.published", version=1)
+    assert events[batch].data.unique_tokens > 0 and events[batch].data.target_tokens > 0
+    # Every call was recorded with the policy version that served it.
+    assert {e.data.policy_version for e in events if e.type == "call.completed"} == {0}
