@@ -34,7 +34,7 @@ LAZY_GROUPS: dict[str, tuple[str, str, str]] = {
     "harness": ("services.harness.cli", "harness_app", "Tasks, sandboxes and executions."),
     "rollout": ("services.rollout.cli", "rollout_app", "Rollout gateway and workers."),
     "scheduler": ("services.scheduler.cli", "scheduler_app", "The live scheduler and cell agents."),
-    "run": ("services.scheduler.run", "run_app", "Run the whole RL loop."),
+    "run": ("shared.launcher", "run_app", "Run the whole RL loop: every service as a process, live view, report."),
 }
 
 StateDir = Annotated[Optional[Path], typer.Option("--state-dir", help="Where embedded servers keep their data.")]
