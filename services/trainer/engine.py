@@ -205,7 +205,7 @@ class Trainer:
 
         scale = float(self.world_size)  # FSDP averages gradients over ranks; the loss is a sum over them
         loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
-        stats = torch.zeros(6, dtype=torch.float64, device=dev)  # targets, sum w, truncated, |old-mu|, staleness
+        stats = torch.zeros(5, dtype=torch.float64, device=dev)  # targets, sum w, truncated, |old-mu|, staleness
         maxes = torch.full((2,), -1e30, dtype=torch.float64, device=dev)  # max w, max staleness
         after_sums = torch.zeros(num_exec, dtype=torch.float64, device=dev)
         for i, (t, real) in enumerate(passes):
@@ -235,7 +235,6 @@ class Trainer:
                         terms.is_truncated.double().sum(),
                         (o.double() - t.behaviour_logprob.double()).abs().sum(),  # type: ignore[union-attr]
                         stale.sum(),
-                        torch.zeros((), dtype=torch.float64, device=dev),
                     ]
                 )
                 if n:
