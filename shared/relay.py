@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import psycopg
 
 from shared.bus import Bus
 from shared.logging import get_logger
+from shared.runtime import Service
 from shared.store import EventStore
 
 log = get_logger(component="relay")
@@ -112,34 +114,30 @@ class OutboxRelay:
             await self.waker.close()
 
 
-async def run_relay_process() -> None:
-    """`python -m shared.relay` / `gyre relay`: one relay per deployment, resuming from its saved position."""
-    import signal
+class RelayService(Service):
+    """`gyre relay` / `python -m shared.relay`: one relay per deployment, resuming from its saved position."""
 
+    name = "relay"
+
+    async def setup(self) -> None:
+        assert self.store is not None and self.bus is not None
+        dsn = self.settings.database_url
+        relay = OutboxRelay(self.store, self.bus, dsn=dsn)
+        self.log.info("relay_started", position=await self.store.get_position(relay.name))
+        self.relay = relay
+        self.spawn(relay.run(self.stop_event), name="relay")
+
+    def health(self) -> dict[str, Any]:
+        return {"published": self.relay.published}
+
+
+async def run_relay_process() -> None:
     from shared.logging import configure_logging
     from shared.settings import load_settings
 
     settings = load_settings()
     configure_logging("relay", run_id=settings.run_id)
-    store = await EventStore.connect(settings.database_url, schema=settings.db_schema)
-    bus = await Bus.connect(
-        settings.nats_url, prefix=settings.subject_prefix, duplicate_window_s=settings.duplicate_window_s, name="relay"
-    )
-    await bus.ensure_streams()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    dsn = settings.database_url
-    if settings.db_schema:
-        dsn += ("&" if "?" in dsn else "?") + f"options=-csearch_path%3D{settings.db_schema}"
-    relay = OutboxRelay(store, bus, dsn=dsn)
-    log.info("relay_started", position=await store.get_position(relay.name))
-    try:
-        await relay.run(stop)
-    finally:
-        await bus.close()
-        await store.close()
+    await RelayService(settings).run()
 
 
 if __name__ == "__main__":
