@@ -69,7 +69,8 @@ def _compare(case: dict[str, torch.Tensor], cfg: GspoConfig) -> tuple[float, flo
     ref = naive_gspo(
         leaves, case["old"].tolist(), case["mu"].tolist(), case["texec"].tolist(), case["adv"].tolist(), cfg
     )
-    ref.backward()
+    if ref.requires_grad:  # every execution clipped: the reference is a constant, its gradient zero
+        ref.backward()
     # A leaf of a clipped execution gets no gradient at all (None): that is a zero.
     ref_grad = torch.stack([leaf.grad if leaf.grad is not None else torch.zeros(()) for leaf in leaves])
     return abs(terms.loss.item() - ref.item()), (logp.grad - ref_grad.float()).abs().max().item(), terms.clipped
