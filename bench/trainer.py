@@ -1,7 +1,8 @@
 """Benchmark: one GSPO training step tree-packed vs flat-padded on the same branched batch, same run.
 
-Each variant runs in its own process (so peak memory is its own); the last stdout line is the JSON result.
-    python bench/trainer.py [--executions 4 --prefix 768 --branches 6 --branch-len 128 --steps 3]
+Timing: both variants in one process with their steps interleaved (the machine's load hits both alike);
+peak memory: each variant in a process of its own. The last stdout line is the JSON result.
+    python bench/trainer.py [--executions 4 --prefix 384 --branches 6 --branch-len 64 --steps 3]
 """
 
 from __future__ import annotations
@@ -33,11 +34,11 @@ def make_model(seed: int = 0) -> torch.nn.Module:
 
     cfg = Qwen3Config(
         vocab_size=VOCAB,
-        hidden_size=256,
-        intermediate_size=768,
+        hidden_size=512,
+        intermediate_size=1536,
         num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
+        num_attention_heads=16,
+        num_key_value_heads=4,
         head_dim=32,
         max_position_embeddings=8192,
         tie_word_embeddings=False,
@@ -115,6 +116,33 @@ def tree_micro_batches(data: dict[str, Any]) -> list[MicroBatch]:
     return out
 
 
+def pack_budget(trees: list[MicroBatch], budget: int) -> list[MicroBatch]:
+    """Concatenate whole trees into micro-batches of at most `budget` tokens, as the trajectory packer does."""
+    groups: list[list[MicroBatch]] = []
+    size = 0
+    for mb in trees:
+        if not groups or size + mb.num_tokens > budget:
+            groups.append([])
+            size = 0
+        groups[-1].append(mb)
+        size += mb.num_tokens
+    out = []
+    for group in groups:
+        offsets = np.cumsum([0] + [mb.num_tokens for mb in group[:-1]])
+        shifted = ("subtree_end", "target_pos", "pred_pos")
+        out.append(
+            MicroBatch(
+                **{
+                    name: np.concatenate(
+                        [getattr(mb, name) + (off if name in shifted else 0) for mb, off in zip(group, offsets, strict=True)]
+                    ).astype(getattr(group[0], name).dtype)
+                    for name in MicroBatch._ARRAYS
+                }
+            )
+        )
+    return out
+
+
 def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
@@ -149,57 +177,82 @@ def _flat_logprobs(model: torch.nn.Module, data: dict[str, Any], per_mb: int) ->
     return out
 
 
-def _variant(kind: str, args: argparse.Namespace, conn: Any) -> None:
-    torch.manual_seed(0)
-    model = make_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    data = make_data(args)
-    mbs = tree_micro_batches(data)
-    cfg = GspoConfig()
-    num_exec = data["executions"]
-    adv = torch.linspace(-1, 1, num_exec)
+class _Variant:
+    """One model + optimiser training on the batch either tree-packed or flat-padded."""
 
-    def step() -> None:
-        if kind == "tree":
-            counts = torch.zeros(num_exec, dtype=torch.long)
-            for mb in mbs:
-                counts += torch.bincount(torch.from_numpy(mb.target_exec.astype(np.int64)), minlength=num_exec)
-            for mb in mbs:
+    def __init__(self, kind: str, args: argparse.Namespace) -> None:
+        self.kind = kind
+        self.args = args
+        self.model = make_model()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-6)
+        self.data = make_data(args)
+        self.mbs = pack_budget(tree_micro_batches(self.data), args.micro_batch_tokens)
+        # Flat rows per micro-batch: the same token budget, in padded sequences.
+        self.rows = max(1, args.micro_batch_tokens // max(len(t[1]) for t in self.data["trajectories"]))
+        self.num_exec = self.data["executions"]
+        self.adv = torch.linspace(-1, 1, self.num_exec)
+
+    def step(self) -> None:
+        cfg = GspoConfig()
+        n = self.num_exec
+        if self.kind == "tree":
+            counts = torch.zeros(n, dtype=torch.long)
+            for mb in self.mbs:
+                counts += torch.bincount(torch.from_numpy(mb.target_exec.astype(np.int64)), minlength=n)
+            for mb in self.mbs:
                 t = to_tensors(mb)
-                lp = packed_logprobs(model, t)
-                loss = gspo_loss(lp, t.behaviour_logprob, t.behaviour_logprob, t.target_exec, adv, counts, num_executions=num_exec, config=cfg).loss
-                loss.backward()
+                lp = packed_logprobs(self.model, t)
+                mu = t.behaviour_logprob
+                gspo_loss(lp, mu, mu, t.target_exec, self.adv, counts, num_executions=n, config=cfg).loss.backward()
         else:
             # Flat: every trajectory's targets, shared ones repeated, as flat training computes them.
-            for lp, execs in _flat_logprobs(model, data, args.branches):
+            for lp, execs in _flat_logprobs(self.model, self.data, self.rows):
                 e = torch.tensor(execs)
-                counts = torch.bincount(e, minlength=num_exec)
-                loss = gspo_loss(lp, lp.detach(), lp.detach(), e, adv, counts, num_executions=num_exec, config=cfg).loss
-                loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+                counts = torch.bincount(e, minlength=n)
+                d = lp.detach()
+                gspo_loss(lp, d, d, e, self.adv, counts, num_executions=n, config=cfg).loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
 
-    with torch.no_grad():
-        if kind == "tree":
-            values = [v.tolist() for v in _tree_logprobs(model, mbs)]
-        else:
-            values = [v[0].tolist() for v in _flat_logprobs(model, data, args.branches)]
-    base = _peak_mb()
-    step()  # warm-up (allocator, first-call costs)
-    times = []
+    @torch.no_grad()
+    def logprobs(self) -> list[list[float]]:
+        if self.kind == "tree":
+            return [v.tolist() for v in _tree_logprobs(self.model, self.mbs)]
+        return [v[0].tolist() for v in _flat_logprobs(self.model, self.data, self.rows)]
+
+
+def _timing(args: argparse.Namespace, conn: Any) -> None:
+    """Both variants in one process, steps interleaved, so both see the same machine load."""
+    tree, flat = _Variant("tree", args), _Variant("flat", args)
+    values = {"tree": tree.logprobs(), "flat": flat.logprobs()}
+    tree.step()  # warm-up (allocator, first-call costs)
+    flat.step()
+    wall: dict[str, list[float]] = {"tree": [], "flat": []}
+    cpu: dict[str, list[float]] = {"tree": [], "flat": []}
     for _ in range(args.steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    conn.send({"step_s": statistics.median(times), "peak_mb": max(_peak_mb() - base, 0.0), "logprobs": values})
+        for v in (tree, flat):
+            t0, c0 = time.perf_counter(), time.process_time()
+            v.step()
+            wall[v.kind].append(time.perf_counter() - t0)
+            cpu[v.kind].append(time.process_time() - c0)
+    conn.send({"wall": wall, "cpu": cpu, "logprobs": values})
     conn.close()
 
 
-def _run(kind: str, args: argparse.Namespace) -> dict[str, Any]:
+def _memory(kind: str, args: argparse.Namespace, conn: Any) -> None:
+    """Peak resident memory one step adds, in a process of its own."""
+    v = _Variant(kind, args)
+    base = _peak_mb()
+    v.step()
+    conn.send({"peak_mb": max(_peak_mb() - base, 0.0)})
+    conn.close()
+
+
+def _run(target: Any, *args: Any) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    p = ctx.Process(target=_variant, args=(kind, args, child))
+    p = ctx.Process(target=target, args=(*args, child))
     p.start()
     result = parent.recv()
     p.join()
@@ -209,28 +262,33 @@ def _run(kind: str, args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--executions", type=int, default=4)
-    ap.add_argument("--prefix", type=int, default=768)
+    ap.add_argument("--prefix", type=int, default=384)
     ap.add_argument("--branches", type=int, default=6)
-    ap.add_argument("--branch-len", type=int, default=128)
+    ap.add_argument("--branch-len", type=int, default=64)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--micro-batch-tokens", type=int, default=4096)
     args = ap.parse_args()
 
     data = make_data(args)
-    mbs = tree_micro_batches(data)
+    mbs = pack_budget(tree_micro_batches(data), args.micro_batch_tokens)
     unique = sum(mb.num_tokens for mb in mbs)
     flat = sum(len(t[1]) for t in data["trajectories"])
-    tree = _run("tree", args)
-    flat_res = _run("flat", args)
+    timing = _run(_timing, args)
+    tree_mem = _run(_memory, "tree", args)
+    flat_mem = _run(_memory, "flat", args)
+    tree = {"step_s": statistics.median(timing["wall"]["tree"]), "logprobs": timing["logprobs"]["tree"]}
+    flat_res = {"step_s": statistics.median(timing["wall"]["flat"]), "logprobs": timing["logprobs"]["flat"]}
+    tree_cpu = statistics.median(timing["cpu"]["tree"])
+    flat_cpu = statistics.median(timing["cpu"]["flat"])
 
     # Logprob agreement: the flat value of each target (first trajectory holding it) vs the packed one.
     packed_by_key: dict[tuple[int, tuple[int, ...]], float] = {}
     for mb, values in zip(mbs, tree["logprobs"], strict=True):
-        e = int(mb.target_exec[0]) if mb.num_targets else -1
-        # Recover each target's path key from the tree: walk parents via depth/pre-order.
+        # Recover each target's path (its ancestors-or-self) from subtree_end.
         ids = mb.input_ids.tolist()
         ends = mb.subtree_end.tolist()
-        for tpos, v in zip(mb.target_pos.tolist(), values, strict=True):
-            path = [k for k in range(tpos + 1) if k <= tpos < ends[k]]
+        for tpos, e, v in zip(mb.target_pos.tolist(), mb.target_exec.tolist(), values, strict=True):
+            path = [k for k in range(tpos + 1) if tpos < ends[k]]
             packed_by_key[(e, tuple(ids[k] for k in path))] = v
     diff = 0.0
     trajs = data["trajectories"]
@@ -249,9 +307,12 @@ def main() -> None:
         "flat_step_s": round(flat_res["step_s"], 4),
         "tree_step_s": round(tree["step_s"], 4),
         "speedup": round(flat_res["step_s"] / tree["step_s"], 3),
-        "flat_peak_mb": round(flat_res["peak_mb"], 1),
-        "tree_peak_mb": round(tree["peak_mb"], 1),
+        "flat_peak_mb": round(flat_mem["peak_mb"], 1),
+        "tree_peak_mb": round(tree_mem["peak_mb"], 1),
         "logprob_max_abs_diff": diff,
+        "flat_cpu_s": round(flat_cpu, 4),
+        "tree_cpu_s": round(tree_cpu, 4),
+        "cpu_speedup": round(flat_cpu / tree_cpu, 3),
         "unique_tokens": unique,
         "flat_tokens": flat,
         "config": vars(args),
