@@ -242,7 +242,8 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The unsharded weights on CPU (a collective: every rank calls it; rank 0 receives the tensors)."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
 
 
 @dataclass(frozen=True)

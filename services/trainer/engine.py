@@ -132,7 +132,7 @@ class Trainer:
 
         hf_logging.disable_progress_bar()  # services log JSON; a progress bar on stderr is noise
         torch.manual_seed(config.seed)
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        model: Any = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
         model.to(torch.device(mesh.device_type))
         model.train()
         apply_fsdp(model, mesh, config.precision)

@@ -174,7 +174,7 @@ def _set_attention(model: torch.nn.Module, kind: AttentionKind, dense_impl: str)
     # transformers looks the attention function up from config._attn_implementation at call time, so
     # switching per micro-batch is a config change, not a reload; all sub-configs must agree.
     wanted = {"flex": "flex_attention", "tree": TREE_ATTENTION, "dense": dense_impl}[kind]
-    config = model.config  # type: ignore[union-attr]
+    config: Any = model.config
     if getattr(config, "_attn_implementation", None) != wanted:
         config._attn_implementation = wanted
 

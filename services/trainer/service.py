@@ -100,9 +100,10 @@ class TrainerService(Service):
                 f"the service process is rank 0 of the trainer group; got RANK={spec.rank} (run other ranks "
                 "with `gyre train run-step`)"
             )
-        self.trainer, timing = await asyncio.to_thread(
+        trainer, timing = await asyncio.to_thread(
             Trainer.start, Path(self.settings.model_dir), spec, self.trainer_config(), self.checkpoint_root
         )
+        self.trainer = trainer
         self.reform_s = timing.total_s
         state = self._checkpoint_state()
         if state:
@@ -112,14 +113,14 @@ class TrainerService(Service):
         self.log.info(
             "trainer_ready",
             world_size=spec.world_size,
-            policy_version=self.trainer.policy_version,
+            policy_version=trainer.policy_version,
             last_step=self.last_step,
             reform_s=round(timing.total_s, 3),
             group_s=round(timing.group_s, 3),
             build_s=round(timing.build_s, 3),
             load_s=round(timing.load_s, 3),
         )
-        if self.trainer.policy_version == 0:
+        if trainer.policy_version == 0:
             await self._publish_initial()
         options = ConsumerOptions(
             ack_wait_s=self.options.ack_wait_s,
