@@ -64,14 +64,16 @@ async def events_of(store: EventStore, run_id: str, kind: str) -> list[Event]:
     return [s.event for s in await store.read_all(types=[kind], run_id=run_id)]
 
 
-async def wait_for(store: EventStore, run_id: str, kind: str, n: int, timeout: float = 180.0) -> list[Event]:
+async def wait_for(
+    store: EventStore, run_id: str, kind: str, n: int, timeout: float = 180.0, settle_s: float = 1.0
+) -> list[Event]:
     async def until() -> list[Event]:
         while len(found := await events_of(store, run_id, kind)) < n:
             await asyncio.sleep(0.3)
         return found
 
     await asyncio.wait_for(until(), timeout)
-    await asyncio.sleep(1.0)  # room for a duplicate to show up
+    await asyncio.sleep(settle_s)  # room for a duplicate to show up
     return await events_of(store, run_id, kind)
 
 
@@ -132,3 +134,57 @@ async def test_trainer_service_trains_each_step_once_across_a_crash_before_commi
     weights = load_safetensors(blob)
     base = load_safetensors((model_dir / "model.safetensors").read_bytes())
     assert weights.keys() == base.keys()
+
+
+@pytest.mark.timeout(600)
+async def test_trainer_process_killed_mid_run_resumes_without_repeating_or_skipping(
+    store, bus, infra: Infra, tmp_path: Path, repo_root: Path
+) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    run_id = unique("traink")
+    model_dir = create_tiny_model(tmp_path / "model", seed=6)
+    state_dir = tmp_path / "state"
+    env = {
+        **os.environ,
+        "GYRE_DATABASE_URL": infra.database_url,
+        "GYRE_DB_SCHEMA": store.schema or "",
+        "GYRE_NATS_URL": infra.nats_url,
+        "GYRE_SUBJECT_PREFIX": bus.prefix,
+        "GYRE_RUN_ID": run_id,
+        "GYRE_MODEL_DIR": str(model_dir),
+        "GYRE_STATE_DIR": str(state_dir),
+        "GYRE_EPS_LOW": "0.2",
+        "GYRE_EPS_HIGH": "0.28",
+        "GYRE_RECOMPUTE_OLD_LOGPROBS": "true",
+        "GYRE_BACKOFF_S": "[0.2]",
+        "GYRE_TRAINER_LR": "1e-3",
+        "GYRE_TRAINER_PRECISION": "fp32",
+        "GYRE_TRAINER_ACK_WAIT_S": "5",
+    }
+    cmd = [sys.executable, "-m", "services.trainer"]
+    stop_relay = asyncio.Event()
+    relay = OutboxRelay(store, bus, dsn=database_url_for(store, infra.database_url), idle_wait_s=0.2)
+    relay_task = asyncio.create_task(relay.run(stop_relay))
+    proc = subprocess.Popen(cmd, cwd=repo_root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for step in range(3):
+            await put_batch(store, run_id, step)
+        await wait_for(store, run_id, "step.completed", 1, settle_s=0.0)
+        proc.send_signal(signal.SIGKILL)  # mid-run: steps 1 and 2 are pending or in flight
+        proc.wait()
+        await put_batch(store, run_id, 3)  # arrives while no trainer runs
+        proc = subprocess.Popen(cmd, cwd=repo_root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        completed = await wait_for(store, run_id, "step.completed", 4, timeout=300)
+    finally:
+        proc.terminate()
+        proc.wait()
+        stop_relay.set()
+        await relay_task
+    assert sorted(e.data.step for e in completed) == [0, 1, 2, 3]
+    assert sorted(e.data.policy_version for e in completed) == [1, 2, 3, 4]
+    state = read_trainer_state(latest_checkpoint(state_dir / "trainer" / run_id / "checkpoints"))
+    assert state["step_count"] == 4 and state["last_step"] == 3
