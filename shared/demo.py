@@ -1,14 +1,12 @@
-"""`make demo`: the main job on a fresh machine.
+"""`make demo`: the main job on a fresh machine — the RL loop (`gyre run`) on the tiny model.
 
-When the full RL loop is installed (`gyre run`), it runs it. Until then it brings up the local
-infrastructure, creates the tiny model, and sends events through the log → relay → JetStream path,
-saying plainly what it did.
+`python -m shared.demo --foundation` instead only brings up the infrastructure, creates the tiny model
+and sends events through the log → relay → JetStream path.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import sys
 import time
@@ -24,10 +22,8 @@ console = Console()
 
 
 def main() -> int:
-    if importlib.util.find_spec("services.scheduler.run") is not None:
-        from services.scheduler.run import main as run_main  # the full loop, once it exists
-
-        return int(run_main(sys.argv[1:]) or 0)
+    if "--foundation" not in sys.argv:
+        return run_loop()
     settings = load_settings()
     console.rule("[bold]Gyre demo: foundation")
     console.print("The full RL loop (`gyre run`) is not built yet; this demo exercises what is.")
@@ -49,6 +45,22 @@ def main() -> int:
     console.print(f"Stop the servers with `gyre down` (state in {settings.state_dir}).")
     Path("runs/demo").mkdir(parents=True, exist_ok=True)
     Path("runs/demo/report.json").write_text(json.dumps({"model": info, "events_round_trip": count}, indent=2, default=str))
+    return 0
+
+
+def run_loop() -> int:
+    """The RL loop with every service as its own process (`gyre run`), sized for a 2-core machine."""
+    from shared.launcher import run
+
+    console.rule("[bold]Gyre demo: the RL loop")
+    console.print(
+        "Starts NATS and PostgreSQL, creates the tiny model, and runs every service as its own process: "
+        "scheduler, cell agent (vLLM rollout worker), gateway, harness (sandboxes), trajectory, trainer, relay. "
+        "Three RL steps of 4 executions each on the create-file tasks, then a report in runs/<run_id>/.\n"
+        "Not yet: the supervised warm-start that lets the tiny model score above 0 "
+        "(docs/learning.md); without it the rewards stay near 0 and the curve is flat."
+    )
+    run(mode="async", steps=3, seed=0, group_size=4, max_staleness=1, timeout_s=1500.0)
     return 0
 
 

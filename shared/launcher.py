@@ -123,6 +123,10 @@ def loop_environment(
         "GYRE_HARNESS_GATEWAY_URL": f"http://127.0.0.1:{gateway_port}",
         "GYRE_HARNESS_MODEL_NAME": "gyre-tiny",
         "GYRE_HARNESS_WORK_DIR": str(run_dir / "executions"),
+        # The tiny model's tasks need one or two calls; bound each execution so a step stays short.
+        "GYRE_HARNESS_WALL_BUDGET_S": "90",
+        "GYRE_HARNESS_CALL_BUDGET": "3",
+        "GYRE_HARNESS_MAX_TOKENS": "64",
         "GYRE_TRAINER_CHECKPOINT_DIR": str(run_dir / "checkpoints"),
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",

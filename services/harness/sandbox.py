@@ -436,6 +436,12 @@ class ProcessSandbox:
                     made.add(parent)
                     args.extend(["--perms", "0755", "--dir", parent])
 
+        # The writable areas first: a read-only path below one of them (a virtualenv under /tmp, say)
+        # must be mounted on top of the area, not hidden by it.
+        for name, mount in [("work", self.workdir), *_AREAS.items()]:
+            parents(mount)
+            args.extend(["--bind", str(self.state_dir / name), mount])
+            made.add(mount)
         for path in self._ro_paths():
             if os.path.islink(path) and not os.path.isabs(os.readlink(path)):
                 args.extend(["--symlink", os.readlink(path), path])
@@ -445,10 +451,6 @@ class ProcessSandbox:
             args.extend(["--ro-bind", path, path])
             made.add(path)
         args.extend(["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/dev/shm"])
-        for name, mount in [("work", self.workdir), *_AREAS.items()]:
-            parents(mount)
-            args.extend(["--bind", str(self.state_dir / name), mount])
-            made.add(mount)
         for bind in binds:
             parents(bind.inside)
             args.extend(["--ro-bind" if bind.read_only else "--bind", str(bind.host), bind.inside])
@@ -471,6 +473,9 @@ class ProcessSandbox:
         def mkdirs(inside: str) -> None:
             lines.append(f'mkdir -p "$R"{q(inside)}')
 
+        for name, mount in [("work", self.workdir), *_AREAS.items()]:  # areas first, as for bwrap
+            mkdirs(mount)
+            lines.append(f'mount --bind {q(str(self.state_dir / name))} "$R"{q(mount)}')
         for path in self._ro_paths():
             if os.path.islink(path):
                 parent = str(Path(path).parent)
@@ -480,9 +485,6 @@ class ProcessSandbox:
             mkdirs(path)
             lines.append(f'mount --rbind {q(path)} "$R"{q(path)}')
             lines.append(f'mount -o remount,bind,ro "$R"{q(path)}')
-        for name, mount in [("work", self.workdir), *_AREAS.items()]:
-            mkdirs(mount)
-            lines.append(f'mount --bind {q(str(self.state_dir / name))} "$R"{q(mount)}')
         for bind in binds:
             mkdirs(bind.inside)
             lines.append(f'mount --bind {q(str(bind.host))} "$R"{q(bind.inside)}')
