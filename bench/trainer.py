@@ -100,17 +100,10 @@ def tree_micro_batches(data: dict[str, Any]) -> list[MicroBatch]:
                     tpos.append(pos); ppos.append(pos - 1 if j > plen else plen - 1); mus.append(mu[j])  # noqa: E702
         for i in range(plen):
             ends[i] = len(ids)
-        t = len(tpos)
         out.append(
-            MicroBatch(
-                input_ids=np.array(ids, dtype=np.int32),
-                position_ids=np.array(depth, dtype=np.int32),
-                subtree_end=np.array(ends, dtype=np.int32),
-                target_pos=np.array(tpos, dtype=np.int32),
-                pred_pos=np.array(ppos, dtype=np.int32),
-                behaviour_logprob=np.array(mus, dtype=np.float32),
-                policy_version=np.zeros(t, dtype=np.int32),
-                target_exec=np.full(t, e, dtype=np.int32),
+            MicroBatch.from_lists(
+                input_ids=ids, position_ids=depth, subtree_end=ends, target_pos=tpos, pred_pos=ppos,
+                behaviour_logprob=mus, target_exec=e,
             )
         )
     return out

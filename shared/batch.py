@@ -57,6 +57,33 @@ class MicroBatch:
         "target_exec",
     )
 
+    @classmethod
+    def from_lists(
+        cls,
+        *,
+        input_ids: list[int],
+        position_ids: list[int],
+        subtree_end: list[int],
+        target_pos: list[int],
+        pred_pos: list[int],
+        behaviour_logprob: list[float] | None = None,
+        policy_version: list[int] | None = None,
+        target_exec: list[int] | int = 0,
+    ) -> MicroBatch:
+        """Build from plain lists with the format's dtypes; absent logprobs and versions are zeros."""
+        t = len(target_pos)
+        execs = np.full(t, target_exec, dtype=np.int32) if isinstance(target_exec, int) else np.array(target_exec, dtype=np.int32)
+        return cls(
+            input_ids=np.array(input_ids, dtype=np.int32),
+            position_ids=np.array(position_ids, dtype=np.int32),
+            subtree_end=np.array(subtree_end, dtype=np.int32),
+            target_pos=np.array(target_pos, dtype=np.int32),
+            pred_pos=np.array(pred_pos, dtype=np.int32),
+            behaviour_logprob=np.array(behaviour_logprob if behaviour_logprob is not None else [0.0] * t, dtype=np.float32),
+            policy_version=np.array(policy_version if policy_version is not None else [0] * t, dtype=np.int32),
+            target_exec=execs,
+        )
+
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])

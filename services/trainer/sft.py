@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 
 from shared.batch import MicroBatch
 
@@ -204,17 +203,9 @@ def pack_sequences(seqs: Sequence[RenderedConversation], micro_batch_tokens: int
             ends += [e + off for e in t_ends]
             tpos += [p + off for p in t_tpos]
             ppos += [p + off for p in t_ppos]
-        t = len(tpos)
         out.append(
-            MicroBatch(
-                input_ids=np.array(ids, dtype=np.int32),
-                position_ids=np.array(depth, dtype=np.int32),
-                subtree_end=np.array(ends, dtype=np.int32),
-                target_pos=np.array(tpos, dtype=np.int32),
-                pred_pos=np.array(ppos, dtype=np.int32),
-                behaviour_logprob=np.zeros(t, dtype=np.float32),
-                policy_version=np.zeros(t, dtype=np.int32),
-                target_exec=np.zeros(t, dtype=np.int32),
+            MicroBatch.from_lists(
+                input_ids=ids, position_ids=depth, subtree_end=ends, target_pos=tpos, pred_pos=ppos
             )
         )
     return out
