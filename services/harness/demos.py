@@ -47,8 +47,13 @@ class DemoError(ValueError):
     """A demonstration was asked for something this generator does not cover."""
 
 
+SLIPS: tuple[str, ...] = ("skip", "wrong-command")
+
+
 class DemoInstance(BaseModel):
-    """One fresh task instance: its family, parameters, the instruction the agent gets, and a command that solves it."""
+    """One fresh task instance: its family, parameters, the instruction the agent gets, and the command the
+    demonstrator runs. `slip` names the demonstrator's mistake, if it made one: "skip" submits without running
+    anything (`command` is None), "wrong-command" runs a plausible command that does not solve the task."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -56,7 +61,8 @@ class DemoInstance(BaseModel):
     task_id: str
     params: dict[str, Any]
     instruction: str = Field(min_length=1)
-    command: str = Field(min_length=1)
+    command: str | None = Field(default=None, min_length=1)
+    slip: str | None = None
 
     def files(self) -> dict[str, str]:
         """The task folder's files, as taskgen writes them (task.yaml, tests, workspace...)."""
@@ -103,6 +109,29 @@ def demo_command(family: str, params: dict[str, Any]) -> str:
             raise DemoError(f"no demonstration for family {other!r}; expected one of {list(FAMILIES)}")
 
 
+def slip_command(family: str, params: dict[str, Any]) -> str:
+    """A plausible command that does not solve the task: the output file appears, its content is wrong.
+
+    What a careless demonstrator types (copy instead of transform, count lines instead of summing, list
+    matches instead of counting them); graded by the task's own tests it earns partial credit.
+    """
+    match family:
+        case "create-file":
+            return f"touch {params['name']}"
+        case "sum-numbers":
+            return "wc -l < numbers.txt > sum.txt"
+        case "count-matches":
+            return f"grep {shlex.quote(str(params['word']))} log.txt > count.txt"
+        case "uppercase":
+            return "cp in.txt out.txt"
+        case "sort-lines":
+            return "cp names.txt sorted.txt"
+        case "move-file":
+            return f"mkdir -p {params['folder']} && cp {params['name']} {params['folder']}/"
+        case other:
+            raise DemoError(f"no demonstration for family {other!r}; expected one of {list(FAMILIES)}")
+
+
 def _sample_params(family: str, rng: random.Random) -> dict[str, Any]:
     match family:
         case "create-file":
@@ -133,12 +162,15 @@ def shipped_params() -> dict[str, dict[str, Any]]:
     return {task_id: dict(params) for task_id, _, params in taskgen._families()}  # noqa: SLF001 - taskgen's own list
 
 
-def make_instance(family: str, params: dict[str, Any], task_id: str) -> DemoInstance:
+def make_instance(family: str, params: dict[str, Any], task_id: str, slip: str | None = None) -> DemoInstance:
     if family not in _FAMILY_FUNCTIONS:
         raise DemoError(f"no demonstration for family {family!r}; expected one of {list(FAMILIES)}")
+    if slip is not None and slip not in SLIPS:
+        raise DemoError(f"slip: expected one of {list(SLIPS)} or none, got {slip!r}")
     files = _FAMILY_FUNCTIONS[family](task_id, **params)
     instruction = str(yaml.safe_load(files["task.yaml"])["instruction"])
-    return DemoInstance(family=family, task_id=task_id, params=params, instruction=instruction, command=demo_command(family, params))
+    command = {None: demo_command, "wrong-command": slip_command}.get(slip, lambda *_: None)(family, params)
+    return DemoInstance(family=family, task_id=task_id, params=params, instruction=instruction, command=command, slip=slip)
 
 
 def sample_instances(
@@ -148,11 +180,19 @@ def sample_instances(
     families: Sequence[str] = FAMILIES,
     weights: Sequence[float] | None = None,
     exclude: Iterable[dict[str, Any]] = (),
+    slip_rate: float = 0.0,
 ) -> list[DemoInstance]:
     """`count` fresh instances drawn with their own seeded generator; parameter sets in `exclude` (by default
-    callers pass the shipped tasks') are never drawn, so the shipped tasks stay unseen."""
+    callers pass the shipped tasks') are never drawn, so the shipped tasks stay unseen.
+
+    With `slip_rate` > 0 the demonstrator is imperfect: that fraction of the demonstrations carry a slip, half
+    of them "skip" and half "wrong-command". A model imitating it solves the tasks only part of the time, and
+    the gap is what RL, graded by the tasks' own tests, has to close.
+    """
     if count < 0:
         raise DemoError(f"count: expected a non-negative number, got {count}")
+    if not 0.0 <= slip_rate <= 1.0:
+        raise DemoError(f"slip_rate: expected a fraction in [0, 1], got {slip_rate}")
     unknown = [f for f in families if f not in _FAMILY_FUNCTIONS]
     if unknown or not families:
         raise DemoError(f"families: expected a non-empty subset of {list(FAMILIES)}, got {list(families)}")
@@ -166,9 +206,10 @@ def sample_instances(
             raise DemoError(f"could not draw {count} instances outside the {len(excluded)} excluded parameter sets")
         family = rng.choices(list(families), weights=list(weights) if weights else None)[0]
         params = _sample_params(family, rng)
+        slip = rng.choice(SLIPS) if slip_rate > 0 and rng.random() < slip_rate else None
         if json.dumps(params, sort_keys=True) in excluded:
             continue
-        out.append(make_instance(family, params, f"demo-{family}-{len(out)}"))
+        out.append(make_instance(family, params, f"demo-{family}-{len(out)}", slip))
     return out
 
 
@@ -209,7 +250,14 @@ def shell_result(command_output: str = "", exit_code: int = 0) -> str:
 
 
 def demo_messages(instance: DemoInstance, system_text: str) -> list[dict[str, Any]]:
-    """The conversation in chat-template shape: system (with tools), task, shell call, its result, submit."""
+    """The conversation in chat-template shape: system (with tools), task, shell call, its result, submit
+    (a "skip" slip submits straight away)."""
+    if instance.command is None:
+        return [
+            {"role": "system", "content": system_text},
+            {"role": "user", "content": instance.instruction},
+            {"role": "assistant", "content": "", "tool_calls": [_call(SUBMIT, {})]},
+        ]
     return [
         {"role": "system", "content": system_text},
         {"role": "user", "content": instance.instruction},
@@ -221,6 +269,11 @@ def demo_messages(instance: DemoInstance, system_text: str) -> list[dict[str, An
 
 def anthropic_turns(instance: DemoInstance) -> list[dict[str, Any]]:
     """The same conversation as the agent loop's Anthropic `messages` (system and tools go beside them)."""
+    if instance.command is None:
+        return [
+            {"role": "user", "content": instance.instruction},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_demo_0", "name": SUBMIT, "input": {}}]},
+        ]
     return [
         {"role": "user", "content": instance.instruction},
         {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_demo_0", "name": SHELL, "input": {"command": instance.command}}]},
@@ -236,7 +289,10 @@ def _call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
 def demo_records(instances: Sequence[DemoInstance], system_text: str) -> list[dict[str, Any]]:
     """JSONL records for `gyre train sft`: the messages, plus which instance they demonstrate."""
     return [
-        {"messages": demo_messages(i, system_text), "demo": {"family": i.family, "task_id": i.task_id, "params": i.params}}
+        {
+            "messages": demo_messages(i, system_text),
+            "demo": {"family": i.family, "task_id": i.task_id, "params": i.params, "slip": i.slip},
+        }
         for i in instances
     ]
 
@@ -249,10 +305,13 @@ def write_demos(
     families: Sequence[str] = FAMILIES,
     weights: Sequence[float] | None = None,
     include_shipped: bool = False,
+    slip_rate: float = 0.0,
 ) -> int:
     """Write `count` demonstrations to `out` (JSONL); the shipped tasks' parameters are held out unless asked."""
     exclude = [] if include_shipped else list(shipped_params().values())
-    instances = sample_instances(seed=seed, count=count, families=families, weights=weights, exclude=exclude)
+    instances = sample_instances(
+        seed=seed, count=count, families=families, weights=weights, exclude=exclude, slip_rate=slip_rate
+    )
     records = demo_records(instances, tools_system_text())
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
@@ -269,12 +328,16 @@ def _main(argv: list[str]) -> None:
     parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated families")
     parser.add_argument("--weights", default="", help="comma-separated sampling weights, one per family")
     parser.add_argument("--include-shipped", action="store_true", help="also draw the shipped tasks' parameters")
+    parser.add_argument("--slip-rate", type=float, default=0.0, help="fraction of demonstrations with a mistake")
     args = parser.parse_args(argv)
     families = [f.strip() for f in args.families.split(",") if f.strip()]
     weights = [float(w) for w in args.weights.split(",")] if args.weights else None
     if weights is not None and len(weights) != len(families):
         raise SystemExit(f"--weights: expected {len(families)} numbers (one per family), got {len(weights)}")
-    n = write_demos(args.out, seed=args.seed, count=args.count, families=families, weights=weights, include_shipped=args.include_shipped)
+    n = write_demos(
+        args.out, seed=args.seed, count=args.count, families=families, weights=weights,
+        include_shipped=args.include_shipped, slip_rate=args.slip_rate,
+    )
     print(json.dumps({"demos": n, "out": str(args.out)}))
 
 

@@ -117,6 +117,60 @@ def test_demonstrated_command_solves_a_fresh_instance_in_the_sandbox(family: str
     assert graded.score == 1.0, graded
 
 
+def test_slip_rate_makes_that_share_of_slips_split_between_the_kinds() -> None:
+    instances = demos.sample_instances(seed=3, count=600, families=demos.FAMILIES, slip_rate=0.6)
+    kinds = [i.slip for i in instances]
+    share = sum(k is not None for k in kinds) / len(kinds)
+    assert 0.5 < share < 0.7
+    assert {"skip", "wrong-command"} <= set(kinds)
+    assert all((i.command is None) == (i.slip == "skip") for i in instances)
+    skipped = next(i for i in instances if i.slip == "skip")
+    roles = [m["role"] for m in demos.demo_messages(skipped, "sys")]
+    assert roles == ["system", "user", "assistant"]
+    assert demos.demo_messages(skipped, "sys")[-1]["tool_calls"][0]["function"]["name"] == "submit"
+    # No slips asked for: the stream of instances is the one a slip-free run draws.
+    assert demos.sample_instances(seed=3, count=20) == demos.sample_instances(seed=3, count=20, slip_rate=0.0)
+
+
+def test_bad_slip_settings_are_refused() -> None:
+    with pytest.raises(demos.DemoError, match="slip_rate"):
+        demos.sample_instances(seed=0, count=1, slip_rate=1.5)
+    with pytest.raises(demos.DemoError, match="slip"):
+        demos.make_instance("uppercase", {"text": "a b"}, "t", "typo")
+
+
+@pytest.mark.parametrize("family", demos.FAMILIES)
+def test_slips_earn_less_than_full_credit_in_the_sandbox(family: str, tmp_path: Path) -> None:
+    """A wrong command runs cleanly (the demo's `[exit code 0]` is true) and is graded below 1; a skip too."""
+    from services.harness.sandbox import make_sandbox
+    from services.harness.taskrun import prepare, run_tests, sandbox_spec_for
+
+    base = demos.sample_instances(seed=5, count=1, families=[family])[0]
+    scores = {}
+    for slip in demos.SLIPS:
+        instance = demos.make_instance(family, base.params, base.task_id, slip)
+        folder = tmp_path / slip / instance.task_id
+        for relative, text in instance.files().items():
+            path = folder / relative
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            if relative.endswith(".sh"):
+                path.chmod(0o755)
+        task = load_task(folder)
+        sandbox = make_sandbox(tmp_path / "state" / slip, sandbox_spec_for(task))
+        try:
+            prepare(task, sandbox)
+            if instance.command is not None:
+                result = sandbox.exec(instance.command, timeout_s=30)
+                assert demos.shell_result(result.stdout, result.exit_code or 0) == demos.shell_result()
+            graded, _ = run_tests(task, sandbox)
+        finally:
+            sandbox.close()
+        scores[slip] = graded.score
+    assert scores["skip"] < 1.0
+    assert 0.0 < scores["wrong-command"] < 1.0, scores
+
+
 # --- token identity with the gateway (the warm-start must see the tokens RL will) --------------------------
 
 
@@ -142,7 +196,8 @@ def _gateway_tokens(tokenizer: Any, instance: demos.DemoInstance) -> tuple[list[
     tools = [TOOL_SCHEMAS[name] for name in demos.AGENT_TOOLS]
     ids: list[int] = []
     generated: list[bool] = []
-    for n_messages, reply_index in ((1, 1), (3, 3)):
+    calls = ((1, 1), (3, 3)) if len(turns) == 4 else ((1, 1),)
+    for n_messages, reply_index in calls:
         body = {"model": "m", "max_tokens": 64, "system": SYSTEM_PROMPT, "tools": tools, "messages": turns[:n_messages]}
         plan = state.plan(parse_request(body).conversation, codec)
         assert list(plan.prompt[: len(ids)]) == ids, "the second call must extend the first call's tokens"
@@ -164,7 +219,13 @@ def test_sft_rendering_equals_the_gateway_tokens_at_rl_time(tokenizer: Any, fami
     from services.trainer.sft import render_conversation
 
     system_text = demos.tools_system_text()
-    for instance in demos.sample_instances(seed=11, count=3, families=[family]):
+    # Both slips too: a skip is a one-call conversation, a wrong command the same shape as a good one.
+    instances = demos.sample_instances(seed=11, count=3, families=[family]) + [
+        demos.make_instance(family, i.params, i.task_id, slip)
+        for i in demos.sample_instances(seed=12, count=1, families=[family])
+        for slip in demos.SLIPS
+    ]
+    for instance in instances:
         sft = render_conversation(tokenizer, demos.demo_messages(instance, system_text))
         rl_ids, rl_generated = _gateway_tokens(tokenizer, instance)
         # The SFT rendering ends with the template's newline after the last end of turn; RL stops at the EOS.
