@@ -39,7 +39,7 @@ def run_sft_recipe(args: argparse.Namespace) -> dict[str, Any]:
     weights = [float(w) for w in args.weights.split(",")] if args.weights else None
     data = Path(args.out).with_suffix(".demos.jsonl")
     t0 = time.monotonic()
-    demos.write_demos(data, seed=args.seed, count=args.count, families=families, weights=weights)
+    demos.write_demos(data, seed=args.seed, count=args.count, families=families, weights=weights, slip_rate=args.slip_rate)
     t_demos = time.monotonic() - t0
     if Path(args.out).exists():
         shutil.rmtree(args.out)
@@ -51,7 +51,7 @@ def run_sft_recipe(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "demos": args.count, "demos_s": round(t_demos, 2), "sft_s": round(time.monotonic() - t0, 2),
         "sft_steps": len(history), "first_loss": round(history[0]["loss"], 4), "last_loss": round(history[-1]["loss"], 4),
-        "lr": args.lr, "epochs": args.epochs, "per_step": args.per_step, "families": families, "weights": weights,
+        "lr": args.lr, "slip_rate": args.slip_rate, "epochs": args.epochs, "per_step": args.per_step, "families": families, "weights": weights,
     }
 
 
@@ -221,6 +221,7 @@ def main() -> None:
     parser.add_argument("--micro-batch-tokens", type=int, default=4096)
     parser.add_argument("--families", default=",".join(demos.FAMILIES))
     parser.add_argument("--weights", default="")
+    parser.add_argument("--slip-rate", type=float, default=0.0, help="share of demonstrations with a mistake")
     parser.add_argument("--tasks", default=DEFAULT_TASKS)
     parser.add_argument("--tasks-dir", default="tasks")
     parser.add_argument("--samples", type=int, default=16)

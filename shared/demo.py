@@ -56,11 +56,13 @@ def run_loop() -> int:
     console.print(
         "Starts NATS and PostgreSQL, creates the tiny model, and runs every service as its own process: "
         "scheduler, cell agent (vLLM rollout worker), gateway, harness (sandboxes), trajectory, trainer, relay. "
-        "Three RL steps of 4 executions each on the create-file tasks, then a report in runs/<run_id>/.\n"
-        "Not yet: the supervised warm-start that lets the tiny model score above 0 "
-        "(docs/learning.md); without it the rewards stay near 0 and the curve is flat."
+        "First a supervised warm-start on an imperfect demonstrator's demonstrations of the shell-task family "
+        "(it skips the work or runs a wrong command 70% of the time), then 30 RL steps of 2 queries × 8 "
+        "executions on the held-out shipped tasks; the mean reward should climb as RL removes the slips. "
+        "Report and curve in runs/<run_id>/ (docs/learning.md)."
     )
-    run(mode="async", steps=3, seed=0, group_size=4, max_staleness=1, timeout_s=1500.0)
+    run(mode="async", steps=30, seed=0, group_size=8, max_staleness=1, queries_per_step=2, lr=3e-4,
+        sft_steps=150, slip_rate=0.7, warm_start_dir=None, timeout_s=1500.0)
     return 0
 
 

@@ -127,6 +127,7 @@ def loop_environment(
         "GYRE_HARNESS_WALL_BUDGET_S": "90",
         "GYRE_HARNESS_CALL_BUDGET": "3",
         "GYRE_HARNESS_MAX_TOKENS": "64",
+        "GYRE_HARNESS_CONCURRENCY": "4",
         "GYRE_TRAINER_CHECKPOINT_DIR": str(run_dir / "checkpoints"),
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
@@ -211,23 +212,83 @@ def _view(events: list, procs: list[Proc], steps: int, elapsed: float) -> Table:
     return table
 
 
-def learnable_tasks() -> list[str]:
-    """The simple generated task family a tiny model can learn (tasks/<family>-<n>)."""
-    families = ("create-file",)
-    return sorted(p.name for p in Path("tasks").iterdir() if p.name.rsplit("-", 1)[0] in families)
+# The learnable family: generated shell tasks whose solution is one short command the tiny model can hold
+# (create-file needs the text copied verbatim, which a 2-layer model does not learn in minutes; see
+# docs/learning.md).
+LEARNABLE_FAMILIES: tuple[str, ...] = ("sum-numbers", "count-matches", "uppercase", "sort-lines")
+
+
+def learnable_tasks(families: tuple[str, ...] = LEARNABLE_FAMILIES, tasks_dir: Path = Path("tasks")) -> list[str]:
+    """The shipped tasks of the learnable family (tasks/<family>-<n>); demonstrations never use their parameters."""
+    return sorted(p.name for p in tasks_dir.iterdir() if p.name.rsplit("-", 1)[0] in families)
+
+
+@dataclass(frozen=True)
+class WarmStart:
+    """The supervised warm-start: an imperfect demonstrator's demonstrations of the learnable family.
+
+    `slip_rate` of them skip the work or run a wrong command (services/harness/demos.py), so the warm-started
+    policy solves the held-out tasks only part of the time and RL has something to learn.
+    """
+
+    steps: int = 150
+    conversations_per_step: int = 32
+    lr: float = 2e-3
+    slip_rate: float = 0.7
+    families: tuple[str, ...] = LEARNABLE_FAMILIES
+
+
+def warm_start(python: str, base: Path, run_dir: Path, options: WarmStart, seed: int, env: dict[str, str]) -> Path:
+    """Write the demonstrations and run `gyre train sft` as its own process; returns the fine-tuned model."""
+    from services.harness.demos import write_demos
+
+    out = run_dir / "sft"
+    data = run_dir / "warmstart" / "demos.jsonl"
+    count = write_demos(
+        data, seed=seed, count=options.steps * options.conversations_per_step, families=options.families,
+        slip_rate=options.slip_rate,
+    )
+    argv = [
+        python, "-m", "shared.cli", "train", "sft", "--model", str(base), "--data", str(data), "--out", str(out),
+        "--lr", str(options.lr), "--conversations-per-step", str(options.conversations_per_step),
+        "--epochs", "1", "--precision", "fp32",
+    ]
+    log = run_dir / "logs" / "sft.log"
+    console.print(
+        f"warm-start: {count} demonstrations ({options.slip_rate:.0%} with a slip) → {options.steps} SFT steps; "
+        f"log {log}"
+    )
+    started = time.monotonic()
+    with open(log, "ab") as sink, console.status("supervised warm-start (SFT)…"):
+        done = subprocess.run(argv, env=env, stdout=sink, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        raise RuntimeError(f"the warm-start failed (exit {done.returncode}); see {log}")
+    console.print(f"warm-start done in {time.monotonic() - started:.0f} s → {out}")
+    return out
 
 
 def run(
     mode: Annotated[str, typer.Option(help="elastic, async or colocate.")] = "async",
-    steps: Annotated[int, typer.Option(help="RL steps to train.")] = 6,
+    steps: Annotated[int, typer.Option(help="RL steps to train.")] = 30,
     seed: Annotated[int, typer.Option(help="Seed for the model, the tasks and the sampling.")] = 0,
-    group_size: Annotated[int, typer.Option(help="Executions per query (G).")] = 4,
+    group_size: Annotated[int, typer.Option(help="Executions per query (G).")] = 8,
     max_staleness: Annotated[int, typer.Option(help="Policy versions a rollout may lag the trainer.")] = 1,
+    queries_per_step: Annotated[int, typer.Option(help="Queries (groups of G) per training step.")] = 2,
+    lr: Annotated[float, typer.Option(help="RL learning rate (the trainer's GYRE_TRAINER_LR).")] = 3e-4,
+    sft_steps: Annotated[int, typer.Option(help="Warm-start SFT steps (32 demonstrations each); 0 skips it.")] = 150,
+    slip_rate: Annotated[float, typer.Option(help="Share of demonstrations with a mistake.")] = 0.7,
+    warm_start_dir: Annotated[
+        Path | None, typer.Option("--warm-start", help="Use this warm-started model instead of training one.")
+    ] = None,
     timeout_s: Annotated[float, typer.Option(help="Give up after this many seconds.")] = 1500.0,
 ) -> None:
     """Run the RL loop: infrastructure, tiny model, SFT warm-start, then RL with every service as a process."""
     if mode not in ("elastic", "async", "colocate"):
         raise typer.BadParameter(f"--mode must be elastic, async or colocate, got {mode!r}")
+    if not 0.0 <= slip_rate <= 1.0:
+        raise typer.BadParameter(f"--slip-rate must be a fraction in [0, 1], got {slip_rate}")
+    if warm_start_dir is not None and not (warm_start_dir / "config.json").is_file():
+        raise typer.BadParameter(f"--warm-start {warm_start_dir}: not a model directory (no config.json)")
     settings = load_settings()
     endpoints = local.up(settings.state_dir, nats_url=settings.nats_url, database_url=settings.database_url)
     run_id = new_run_id()
@@ -241,9 +302,15 @@ def run(
         run_id=run_id, nats_url=endpoints.nats_url, database_url=endpoints.database_url, model_dir=model_dir,
         run_dir=run_dir, mode=mode, steps=steps, group_size=group_size, max_staleness=max_staleness, seed=seed,
         task_ids=learnable_tasks(), gateway_port=local.free_port(),
+        extra={"GYRE_SCHEDULER_QUERIES_PER_STEP": str(queries_per_step), "GYRE_TRAINER_LR": str(lr)},
     )
     procs = service_processes(sys.executable)
     try:
+        if warm_start_dir is not None:
+            env["GYRE_MODEL_DIR"] = str(warm_start_dir)
+        elif sft_steps > 0:
+            options = WarmStart(steps=sft_steps, slip_rate=slip_rate)
+            env["GYRE_MODEL_DIR"] = str(warm_start(sys.executable, model_dir, run_dir, options, seed, env))
         start_all(procs, env, run_dir / "logs")
         events = asyncio.run(_watch(endpoints.database_url, run_id, steps, procs, timeout_s))
     except KeyboardInterrupt:

@@ -63,7 +63,7 @@ def postgres_bin_dir() -> Path:
 
 class EmbeddedNats:
     def __init__(self, state_dir: Path, port: int | None = None) -> None:
-        self.dir = state_dir / "nats"
+        self.dir = state_dir.resolve() / "nats"
         self.port = port or free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -110,7 +110,7 @@ class EmbeddedNats:
 
 class EmbeddedPostgres:
     def __init__(self, state_dir: Path, port: int | None = None) -> None:
-        self.dir = state_dir / "postgres"
+        self.dir = state_dir.resolve() / "postgres"  # postgres runs in its data dir: paths must be absolute
         self.data = self.dir / "data"
         self.port = port or free_port()
         self.bin = postgres_bin_dir()

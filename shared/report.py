@@ -41,6 +41,9 @@ class RunReport:
     reward_first: float | None = None
     reward_last: float | None = None
     reward_gain: float | None = None
+    # Means over the first and last few steps (3, or a third of a short run): less noisy than single steps.
+    reward_head: float | None = None
+    reward_tail: float | None = None
     executions: int = 0
     timed_out: int = 0
     branches: dict[str, int] = field(default_factory=dict)
@@ -113,11 +116,18 @@ def build_report(run_id: str, events: Sequence[Event]) -> RunReport:
         report.reward_first = report.steps[0].mean_reward
         report.reward_last = report.steps[-1].mean_reward
         report.reward_gain = report.reward_last - report.reward_first
+        k = max(1, min(3, len(report.steps) // 3))
+        report.reward_head = _mean([r.mean_reward for r in report.steps[:k]])
+        report.reward_tail = _mean([r.mean_reward for r in report.steps[-k:]])
     report.branches = dict(sorted(branches.items()))
     if report.unique_tokens:
         report.dedup_factor = report.flat_tokens / report.unique_tokens
     report.wall_s = end
     return report
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
 
 
 def _close_segment(report: RunReport, open_: dict[str, tuple[str, float]], cell_id: str, now: float) -> None:
@@ -142,6 +152,10 @@ def write_report(report: RunReport, out_dir: Path) -> list[Path]:
     steps = [r.step for r in report.steps]
     ax.plot(steps, [r.mean_reward for r in report.steps], marker="o", label="mean group reward")
     ax.plot(steps, [r.pass_rate for r in report.steps], marker="s", linestyle="--", label="pass rate")
+    if len(steps) >= 6:
+        means = [r.mean_reward for r in report.steps]
+        smooth = [_mean(means[max(0, i - 2) : i + 1]) for i in range(len(means))]
+        ax.plot(steps, smooth, color="black", linewidth=2, label="mean reward, 3-step average")
     ax.set_xlabel("RL step")
     ax.set_ylabel("score")
     ax.set_ylim(-0.05, 1.05)
@@ -177,6 +191,10 @@ def summary_lines(report: RunReport) -> list[str]:
              f"({report.timed_out} timed out) in {report.wall_s or 0:.0f} s"]
     if report.reward_gain is not None:
         lines.append(f"mean reward {report.reward_first:.3f} → {report.reward_last:.3f} ({report.reward_gain:+.3f})")
+        lines.append(
+            f"first {min(3, max(1, len(report.steps) // 3))} steps {report.reward_head:.3f} → "
+            f"last {report.reward_tail:.3f}; pass rate {report.steps[0].pass_rate:.2f} → {report.steps[-1].pass_rate:.2f}"
+        )
     if report.dedup_factor is not None:
         lines.append(f"tokens: {report.unique_tokens} unique, {report.flat_tokens} flat (dedup ×{report.dedup_factor:.2f})")
     if report.branches:

@@ -53,6 +53,7 @@ def test_report_folds_rewards_per_step_and_statistics(tmp_path):
     assert report.steps[0].mean_reward == 0.5 and report.steps[0].pass_rate == 0.25
     assert report.steps[1].mean_reward == 0.875 and report.steps[1].loss == 0.1
     assert report.reward_gain == 0.375
+    assert (report.reward_head, report.reward_tail) == (0.5, 0.875)  # a 2-step run: one step each side
     assert report.timed_out == 1 and report.executions == 8
     assert report.branches == {"compaction": 2}
     assert report.dedup_factor == 2.5
