@@ -38,6 +38,7 @@ class Proc:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     popen: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
 
     def start(self, base_env: dict[str, str], log_dir: Path) -> None:
         log = open(log_dir / f"{self.name}.log", "ab")
@@ -151,7 +152,23 @@ def stop_all(procs: list[Proc]) -> None:
         proc.stop()
 
 
-async def _watch(database_url: str, run_id: str, steps: int, procs: list[Proc], timeout_s: float) -> list:
+MAX_RESTARTS = 3
+
+
+def _restart(proc: Proc, env: dict[str, str], log_dir: Path) -> None:
+    """A service that died is started again, as compose's restart policy would: each resumes from the log."""
+    code = proc.popen.returncode if proc.popen is not None else None
+    if proc.restarts >= MAX_RESTARTS:
+        raise RuntimeError(f"{proc.name} exited ({code}) {proc.restarts + 1} times; see {log_dir / proc.name}.log")
+    proc.restarts += 1
+    console.print(f"[yellow]{proc.name} exited ({code}); starting it again ({proc.restarts}/{MAX_RESTARTS})[/]")
+    proc.start(env, log_dir)
+
+
+async def _watch(
+    database_url: str, run_id: str, steps: int, procs: list[Proc], timeout_s: float, env: dict[str, str],
+    log_dir: Path,
+) -> list:
     from shared.store import EventStore
 
     store = await EventStore.connect(database_url)
@@ -169,9 +186,9 @@ async def _watch(database_url: str, run_id: str, steps: int, procs: list[Proc], 
                 done = sum(1 for e in events if e.type == "step.completed")
                 if done >= steps:
                     return events
-                dead = [p.name for p in procs if not p.alive()]
-                if dead:
-                    raise RuntimeError(f"process(es) exited early: {', '.join(dead)} (see the logs)")
+                for proc in procs:
+                    if not proc.alive():
+                        _restart(proc, env, log_dir)
                 if time.monotonic() - started > timeout_s:
                     raise TimeoutError(f"the run did not finish {steps} steps within {timeout_s:.0f} s")
                 await asyncio.sleep(0.5)
@@ -208,7 +225,9 @@ def _view(events: list, procs: list[Proc], steps: int, elapsed: float) -> Table:
     table.add_row("executions scored", str(counts["execution.scored"]))
     for step, values in sorted(rewards.items()):
         table.add_row(f"step {step} reward", f"{sum(values) / len(values):.3f} over {len(values)}")
-    table.add_row("processes", ", ".join(f"{p.name}{'' if p.alive() else ' (down)'}" for p in procs))
+    table.add_row("processes", ", ".join(
+        p.name + ("" if p.alive() else " (down)") + (f" (restarted {p.restarts}×)" if p.restarts else "") for p in procs
+    ))
     return table
 
 
@@ -312,7 +331,9 @@ def run(
             options = WarmStart(steps=sft_steps, slip_rate=slip_rate)
             env["GYRE_MODEL_DIR"] = str(warm_start(sys.executable, model_dir, run_dir, options, seed, env))
         start_all(procs, env, run_dir / "logs")
-        events = asyncio.run(_watch(endpoints.database_url, run_id, steps, procs, timeout_s))
+        events = asyncio.run(
+            _watch(endpoints.database_url, run_id, steps, procs, timeout_s, env, run_dir / "logs")
+        )
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: stopping every process[/]")
         raise typer.Exit(130)
