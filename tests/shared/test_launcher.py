@@ -1,0 +1,48 @@
+"""`gyre run`'s launcher: option checks before anything starts, the learnable task set, and restarting a
+service that dies."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from shared import launcher
+from shared.cli import _mount, app
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--mode", "fixed"], "--mode must be elastic, async or colocate"),
+        (["--slip-rate", "1.5"], "--slip-rate must be a fraction"),
+        (["--warm-start", "/nonexistent/model"], "not a model directory"),
+    ],
+)
+def test_bad_options_are_refused_before_anything_starts(args: list[str], message: str) -> None:
+    _mount("run")  # what `gyre run` does before typer parses the command line
+    result = CliRunner().invoke(app, ["run", *args], env={"COLUMNS": "200"})
+    assert result.exit_code == 2
+    assert message in result.output
+
+
+def test_learnable_tasks_are_the_shipped_tasks_of_the_family() -> None:
+    tasks = launcher.learnable_tasks()
+    assert tasks == sorted(tasks) and len(tasks) == 10
+    assert {t.rsplit("-", 1)[0] for t in tasks} == set(launcher.LEARNABLE_FAMILIES)
+    assert all((Path("tasks") / t / "task.yaml").is_file() for t in tasks)
+
+
+def test_a_process_that_dies_is_started_again_until_the_limit(tmp_path: Path) -> None:
+    proc = launcher.Proc("flaky", [sys.executable, "-c", "import sys; print('up'); sys.exit(3)"])
+    proc.start({}, tmp_path)
+    proc.popen.wait()
+    for n in range(1, launcher.MAX_RESTARTS + 1):
+        launcher._restart(proc, {}, tmp_path)  # noqa: SLF001 - the supervisor's one step
+        assert proc.restarts == n
+        proc.popen.wait()
+    with pytest.raises(RuntimeError, match="flaky exited \\(3\\) 4 times"):
+        launcher._restart(proc, {}, tmp_path)  # noqa: SLF001
+    assert (tmp_path / "flaky.log").read_text().count("up") == launcher.MAX_RESTARTS + 1
