@@ -5,17 +5,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
 from services.scheduler import policies
 from services.scheduler.sim import run_sim
-from services.scheduler.sim.bounds import lower_bound
+from services.scheduler.sim.bounds import DecodeLaw, alone_seconds, context_lag_nominal_s, lower_bound
 from services.scheduler.sim.cli import sim_app
 from services.scheduler.sim.engine import SimOptions, Simulation
 from services.scheduler.sim.presets import get_preset, preset_names
-from services.scheduler.sim.runner import simulate_policy
-from services.scheduler.sim.workload import PresetError, sample_workload, workload_stats
+from services.scheduler.sim.runner import async_rollout_cells, simulate_policy
+from services.scheduler.sim.workload import Preset, PresetError, sample_workload, workload_stats
 
 # A small cluster with the flagship's workload shape: a few seconds per policy.
 SMALL = dict(steps=5, cells=16, batch_queries=2)
@@ -94,6 +95,64 @@ def test_lower_bound_grows_with_the_work() -> None:
     w = sample_workload(p, 0)
     heavier = p.scaled(train_tokens_per_cell_s=p.train_tokens_per_cell_s / 4)
     assert lower_bound(heavier, w).resource_h > lower_bound(p, w).resource_h
+
+
+def reduced(name: str) -> Preset:
+    """A preset on a quarter of its cluster with the batch scaled along (same load per cell), few steps."""
+    p = get_preset(name)
+    return p.scaled(
+        steps=p.max_staleness + 3, cells=max(4, p.cells // 4), batch_queries=max(1, p.batch_queries // 4)
+    )
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("name", preset_names())
+def test_no_policy_beats_the_lower_bound_on_any_preset_or_seed(name: str, seed: int) -> None:
+    p = reduced(name)
+    w = sample_workload(p, seed)
+    opts = SimOptions(record_timeline=False)
+    lb = lower_bound(p, w, opts)
+    contenders = [
+        policies.ElasticPolicy(fill=p.fill, pack_fill=p.fill),
+        policies.AsyncPolicy(rollout_cells=async_rollout_cells(p, seed), fill=p.fill),
+        policies.AsyncPolicy(rollout_cells=p.cells - 1, fill=p.fill),
+        policies.ColocatePolicy(fill=p.fill, run_ahead=True),
+        policies.ColocatePolicy(fill=p.fill, run_ahead=False),
+    ]
+    for policy in contenders:
+        end_h = Simulation(p, w, policy, opts).run() / 3600.0
+        assert end_h >= lb.hours, (policy, end_h, lb)
+
+
+def test_bound_follows_the_engines_decode_law() -> None:
+    p = get_preset("flagship").scaled(**SMALL)
+    law = DecodeLaw.of(p)
+    sim = Simulation(p, sample_workload(p, 0), policies.ElasticPolicy())
+    cell = sim.cells[0]
+    cell.role = policies.Role.ROLLOUT
+    cell.sessions.add(0)
+    for fill in (0.0, 0.1, 0.5, 1.0, 1.3):
+        cell.a, cell.k, cell.v = fill * cell.cap, 0.0, 0.0
+        assert 1.0 / sim._rate(cell) == pytest.approx(law.wall_per_nominal(fill * cell.cap))
+        assert law.wall_per_nominal(fill * cell.cap) >= law.a + law.beta * fill * cell.cap - 1e-12
+    best = law.best_token_throughput()
+    for fill in np.linspace(0.0, 3.0, 301):
+        c = fill * law.capacity
+        assert c / law.wall_per_nominal(c) <= best * (1 + 1e-12)
+
+
+def test_critical_path_charges_each_execution_its_own_context() -> None:
+    p = get_preset("flagship").scaled(**SMALL)
+    w = sample_workload(p, 0)
+    law = DecodeLaw.of(p)
+    lag = context_lag_nominal_s(p, SimOptions())
+    alone = alone_seconds(p, w, lag)
+    # Never faster than a session on an empty cell, and slower than that once its context has grown.
+    assert np.all(alone >= w.duration_s * law.a)
+    grown = w.duration_s > 2 * lag
+    assert np.all(alone[grown] > w.duration_s[grown] * (law.a + law.beta * p.prompt_tokens))
+    # Without the engine's rate lag the bound only rises.
+    assert np.all(alone_seconds(p, w, 0.0) >= alone)
 
 
 def test_cli_writes_the_json_report_and_the_timeline(tmp_path: Path) -> None:

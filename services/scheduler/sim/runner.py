@@ -115,7 +115,7 @@ def run_sim(
     opts = options or SimOptions(record_timeline=plots and out_dir is not None)
     started = time.perf_counter()
     w = sample_workload(p, seed)
-    lb = lower_bound(p, w)
+    lb = lower_bound(p, w, opts)
     runs: dict[str, dict[str, Any]] = {}
     sims: dict[str, Simulation] = {}
     for name in policies:
