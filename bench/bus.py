@@ -2,6 +2,10 @@
 publish+consume of the same payloads in the same run.
 
     python bench/bus.py [--events 20000] [--batch 500]
+
+On stderr it also says where the end-to-end run's CPU went (µs per event for the bench process, which
+appends and consumes, the relay process, nats-server and PostgreSQL; servers only when embedded): on a
+shared machine the wall-clock rate moves with other jobs' load, the CPU per event much less.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import sqlalchemy as sa  # noqa: E402
 
-from bench._infra import servers  # noqa: E402
+from bench._infra import Servers, servers, tree_cpu_s  # noqa: E402
 from shared.bus import Bus, ConsumerOptions  # noqa: E402
 from shared.events import CellAssigned, Event, new_event  # noqa: E402
 from shared.store import EventStore, run_migrations  # noqa: E402
@@ -38,7 +42,26 @@ def make_events(n: int, run_id: str) -> list[Event]:
     ]
 
 
-async def end_to_end(nats_url: str, db_url: str, n: int, batch: int) -> float:
+def cpu_snapshot(relay_pid: int, infra: Servers) -> dict[str, float | None]:
+    return {
+        "bench": time.process_time(),
+        "relay": tree_cpu_s(relay_pid),
+        **{name: tree_cpu_s(pid) for name, pid in infra.pids.items()},
+    }
+
+
+def cpu_per_event(before: dict[str, float | None], after: dict[str, float | None], n: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for name, start in before.items():
+        end = after.get(name)
+        if start is not None and end is not None:
+            out[name] = round((end - start) / n * 1e6, 1)
+    out["total"] = round(sum(out.values()), 1)
+    return out
+
+
+async def end_to_end(infra: Servers, n: int, batch: int) -> tuple[float, dict[str, float]]:
+    nats_url, db_url = infra.nats_url, infra.database_url
     schema = "bench_" + uuid.uuid4().hex[:8]
     await asyncio.to_thread(run_migrations, db_url, schema)
     store = await EventStore.connect(db_url, schema=schema)
@@ -64,11 +87,13 @@ async def end_to_end(nats_url: str, db_url: str, n: int, batch: int) -> float:
     relay = subprocess.Popen([sys.executable, "-m", "shared.relay"], env=env, stderr=subprocess.DEVNULL,
                              cwd=Path(__file__).resolve().parents[1])
     await asyncio.sleep(2.0)  # let it connect; its start-up is not part of the throughput
+    cpu_before = cpu_snapshot(relay.pid, infra)
     start = time.perf_counter()
     for i in range(0, n, batch):
         await store.append(events[i : i + batch])
     await asyncio.wait_for(done.wait(), 600)
     elapsed = time.perf_counter() - start
+    cpu = cpu_per_event(cpu_before, cpu_snapshot(relay.pid, infra), n)
     stop.set()
     relay.terminate()
     relay.wait()
@@ -78,15 +103,15 @@ async def end_to_end(nats_url: str, db_url: str, n: int, batch: int) -> float:
     async with store.engine.begin() as conn:
         await conn.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
     await store.close()
-    return n / elapsed
+    return n / elapsed, cpu
 
 
-async def raw(nats_url: str, n: int, batch: int) -> float:
+async def raw(infra: Servers, n: int, batch: int) -> tuple[float, dict[str, float]]:
     """The same payloads with plain nats-py: publish (acked, same concurrency) and a pull consumer."""
     import nats
     from nats.js.api import StreamConfig
 
-    nc = await nats.connect(nats_url)
+    nc = await nats.connect(infra.nats_url)
     js = nc.jetstream()
     name = "RAW" + uuid.uuid4().hex[:8].upper()
     subject = name.lower() + ".cell.assigned"
@@ -107,6 +132,7 @@ async def raw(nats_url: str, n: int, batch: int) -> float:
                 await msg.ack()
                 received += 1
 
+    cpu_before = {"bench": time.process_time(), **{k: tree_cpu_s(p) for k, p in infra.pids.items() if k == "nats-server"}}
     start = time.perf_counter()
     consumer = asyncio.create_task(consume())
     for i in range(0, n, batch):  # the same pipelined, acked publish the relay uses
@@ -114,9 +140,10 @@ async def raw(nats_url: str, n: int, batch: int) -> float:
         await asyncio.gather(*futures)
     await asyncio.wait_for(consumer, 600)
     elapsed = time.perf_counter() - start
+    cpu_after = {"bench": time.process_time(), **{k: tree_cpu_s(p) for k, p in infra.pids.items() if k == "nats-server"}}
     await js.delete_stream(name)
     await nc.close()
-    return n / elapsed
+    return n / elapsed, cpu_per_event(cpu_before, cpu_after, n)
 
 
 async def main() -> None:
@@ -124,10 +151,11 @@ async def main() -> None:
     parser.add_argument("--events", type=int, default=20_000)
     parser.add_argument("--batch", type=int, default=500)
     args = parser.parse_args()
-    with servers() as (nats_url, db_url, kind):
-        raw_rate = await raw(nats_url, args.events, args.batch)
-        e2e_rate = await end_to_end(nats_url, db_url, args.events, args.batch)
-    print(f"servers: {kind}; events: {args.events}; batch: {args.batch}", file=sys.stderr)
+    with servers() as infra:
+        raw_rate, raw_cpu = await raw(infra, args.events, args.batch)
+        e2e_rate, cpu = await end_to_end(infra, args.events, args.batch)
+    print(f"servers: {infra.kind}; events: {args.events}; batch: {args.batch}", file=sys.stderr)
+    print(f"CPU µs per event, end to end: {json.dumps(cpu)}; raw nats-py: {json.dumps(raw_cpu)}", file=sys.stderr)
     print(json.dumps({
         "bench": "bus",
         "events_per_s": round(e2e_rate, 1),

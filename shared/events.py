@@ -10,7 +10,7 @@ import uuid
 from datetime import datetime
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class EventError(Exception):
@@ -287,6 +287,21 @@ class Event(_Frozen):
     correlation_id: uuid.UUID | None = None
     data: EventData
 
+    @model_validator(mode="before")
+    @classmethod
+    def _typed_data(cls, body: Any) -> Any:
+        """Validate a `data` object as the payload model its `type` names (the bytes-to-event fast path);
+        an unknown type or schema version fails here and `parse_event` names the error."""
+        if isinstance(body, dict) and isinstance(body.get("data"), dict):
+            payload = REGISTRY.get(body.get("type"))  # type: ignore[arg-type]
+            if payload is None:
+                raise ValueError(f"unknown event type {body.get('type')!r}")
+            version = body.get("schema_version")
+            if not isinstance(version, int) or not 1 <= version <= payload.SCHEMA_VERSION:
+                raise ValueError(f"unsupported schema_version {version!r}")
+            body = {**body, "data": payload.model_validate(body["data"])}
+        return body
+
     @property
     def subject(self) -> str:
         return f"gyre.{self.type}"
@@ -333,6 +348,12 @@ def new_event(
 def parse_event(raw: bytes | str | dict[str, Any]) -> Event:
     """Decode one event, raising UnknownEventType, UnsupportedSchemaVersion or InvalidEventPayload."""
     if isinstance(raw, (bytes, str)):
+        # Fast path: pydantic parses and validates the JSON in one pass. Anything it refuses goes through
+        # the steps below, which say precisely what is wrong.
+        try:
+            return Event.model_validate_json(raw)
+        except ValidationError:
+            pass
         try:
             body = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -82,21 +82,30 @@ class OutboxRelay:
         self.published = 0
 
     async def run_once(self) -> int:
-        """Publish everything after the saved position; returns how many events were sent."""
+        """Publish everything after the saved position; returns how many events were sent.
+
+        While JetStream acknowledges one page, the next is read from PostgreSQL; it is published only
+        after the position of the page before is saved, so pages reach the stream in log order.
+        """
         position = await self.store.get_position(self.name)
         sent = 0
-        while True:
-            page = await self.store.read_after_raw(position, limit=self.batch)
-            if not page:
-                return sent
-            await self.bus.publish_payloads([(e.type, e.payload, str(e.event_id)) for e in page])
+        page = await self.store.read_after_raw(position, limit=self.batch)
+        while page:
+            acked = asyncio.ensure_future(
+                self.bus.publish_payloads([(e.type, e.payload, str(e.event_id)) for e in page])
+            )
+            try:
+                following = await self.store.read_after_raw(page[-1].position, limit=self.batch)
+            finally:
+                await acked  # raises when a publish failed: nothing after the saved position is lost
             last = page[-1].position
             if self.after_publish is not None:
                 await self.after_publish(last)
             await self.store.set_position(self.name, last)
-            position = last
             sent += len(page)
             self.published += len(page)
+            page = following
+        return sent
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.waker.open()

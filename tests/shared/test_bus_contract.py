@@ -6,7 +6,15 @@ import asyncio
 
 import pytest
 
-from shared.bus import DLQ_DELIVERIES, DLQ_REASON, Bus, ConsumerOptions, ObjectDigestMismatch, PoisonMessage
+from shared.bus import (
+    DLQ_DELIVERIES,
+    DLQ_REASON,
+    Bus,
+    ConsumerOptions,
+    ObjectDigestMismatch,
+    PoisonMessage,
+    PublishFailed,
+)
 from shared.events import Event
 from tests.conftest import drop_bus, make_bus
 from tests.shared.helpers import assigned
@@ -37,6 +45,29 @@ async def test_publish_is_deduplicated_by_event_id(nbus: Bus):
     assert await nbus.publish(event) is True
     assert await nbus.publish(event) is False
     assert await nbus.publish_many([event, assigned()]) == 1
+
+
+async def test_pipelined_publish_counts_new_events_and_keeps_their_order(nbus: Bus):
+    events = [assigned("cell-a", v) for v in range(1, 301)]
+    payloads = [(e.type, e.to_json(), str(e.event_id)) for e in events]
+    assert await nbus.publish_payloads(payloads[:200]) == 200
+    assert await nbus.publish_payloads(payloads) == 100  # the first 200 are duplicates
+    got: list[Event] = []
+
+    async def handler(event, msg):
+        got.append(event)
+
+    async def done():
+        while len(got) < 300:
+            await asyncio.sleep(0.05)
+
+    await consume_until(nbus, "pipelined", ["cell.assigned"], handler, done)
+    assert got == events
+
+
+async def test_pipelined_publish_without_a_stream_is_a_named_error(nbus: Bus):
+    with pytest.raises(PublishFailed, match="2 of 2 publishes failed"):
+        await nbus.publish_payloads([("nowhere.a", b"{}", "m1"), ("nowhere.b", b"{}", "m2")], ack_timeout_s=5)
 
 
 async def test_durable_consumer_receives_in_order_and_acks(nbus: Bus):

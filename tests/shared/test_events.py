@@ -71,11 +71,19 @@ def test_unknown_type_is_a_named_error():
         parse_event(json.dumps(body))
 
 
-def test_newer_schema_version_is_refused_by_name():
+def test_unknown_type_is_named_even_when_its_payload_is_empty():
+    body = json.loads(scored().to_json())
+    body["type"], body["data"] = "execution.exploded", {}
+    with pytest.raises(UnknownEventType, match="execution.exploded"):
+        parse_event(json.dumps(body).encode())
+
+
+@pytest.mark.parametrize("encode", [dict, json.dumps], ids=["dict", "json"])
+def test_newer_schema_version_is_refused_by_name(encode):
     body = json.loads(scored().to_json())
     body["schema_version"] = 7
     with pytest.raises(UnsupportedSchemaVersion, match="schema_version 7"):
-        parse_event(body)
+        parse_event(encode(body))
 
 
 @pytest.mark.parametrize(
@@ -89,11 +97,12 @@ def test_newer_schema_version_is_refused_by_name():
         (lambda b: b.update(version=0), "version"),
     ],
 )
-def test_invalid_payloads_name_the_field(mutate, fragment):
+@pytest.mark.parametrize("encode", [dict, json.dumps], ids=["dict", "json"])
+def test_invalid_payloads_name_the_field(mutate, fragment, encode):
     body = json.loads(scored().to_json())
     mutate(body)
     with pytest.raises(InvalidEventPayload, match=fragment):
-        parse_event(body)
+        parse_event(encode(body))
 
 
 @pytest.mark.parametrize("raw", [b"not json", b"[1,2]", b"{}", b'{"type": 3}', b"\xff\xfe"])
