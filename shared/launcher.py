@@ -147,9 +147,31 @@ def start_all(procs: list[Proc], env: dict[str, str], log_dir: Path) -> None:
         proc.start(env, log_dir)
 
 
-def stop_all(procs: list[Proc]) -> None:
+def stop_all(procs: list[Proc], run_id: str | None = None) -> None:
     for proc in reversed(procs):
         proc.stop()
+    if run_id is not None:
+        reap_strays(run_id)
+
+
+def reap_strays(run_id: str) -> list[int]:
+    """SIGKILL any process still carrying this run's GYRE_RUN_ID (Linux /proc), e.g. an engine a cell agent
+    was starting when it was stopped: each cell process runs in its own session, out of the agent's group."""
+    marker = f"GYRE_RUN_ID={run_id}".encode()
+    killed = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        pid = int(entry.name)
+        if pid == os.getpid():
+            continue
+        try:
+            if marker in (entry / "environ").read_bytes().split(b"\0"):
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+        except (OSError, ValueError):
+            continue
+    if killed:
+        console.print(f"[yellow]stopped {len(killed)} stray process(es) of run {run_id}[/]")
+    return killed
 
 
 MAX_RESTARTS = 3
@@ -299,7 +321,7 @@ def run(
     warm_start_dir: Annotated[
         Path | None, typer.Option("--warm-start", help="Use this warm-started model instead of training one.")
     ] = None,
-    timeout_s: Annotated[float, typer.Option(help="Give up after this many seconds.")] = 1500.0,
+    timeout_s: Annotated[float, typer.Option(help="Give up after this many seconds.")] = 3600.0,
 ) -> None:
     """Run the RL loop: infrastructure, tiny model, SFT warm-start, then RL with every service as a process."""
     if mode not in ("elastic", "async", "colocate"):
@@ -338,7 +360,7 @@ def run(
         console.print("[yellow]interrupted: stopping every process[/]")
         raise typer.Exit(130)
     finally:
-        stop_all(procs)
+        stop_all(procs, run_id)
     report = build_report(run_id, events)
     written = write_report(report, run_dir)
     for line in summary_lines(report):

@@ -46,3 +46,21 @@ def test_a_process_that_dies_is_started_again_until_the_limit(tmp_path: Path) ->
     with pytest.raises(RuntimeError, match="flaky exited \\(3\\) 4 times"):
         launcher._restart(proc, {}, tmp_path)  # noqa: SLF001
     assert (tmp_path / "flaky.log").read_text().count("up") == launcher.MAX_RESTARTS + 1
+
+
+def test_strays_of_a_run_are_reaped_and_no_other_process() -> None:
+    import os
+    import subprocess
+
+    mine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            env={**os.environ, "GYRE_RUN_ID": "run-stray-test"}, start_new_session=True)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                             env={**os.environ, "GYRE_RUN_ID": "run-stray-test-2"})
+    try:
+        assert launcher.reap_strays("run-stray-test") == [mine.pid]
+        assert mine.wait(timeout=10) == -9
+        assert other.poll() is None
+    finally:
+        for p in (mine, other):
+            p.kill()
+            p.wait()
