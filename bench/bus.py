@@ -1,7 +1,7 @@
 """Events per second through append → outbox relay → JetStream → durable consumer, against raw nats-py
 publish+consume of the same payloads in the same run.
 
-    python bench/bus.py [--events 20000] [--batch 500]
+    python bench/bus.py [--events 20000] [--batch 500] [--exactly-once]
 
 On stderr it also says where the end-to-end run's CPU went (µs per event for the bench process, which
 appends and consumes, the relay process, nats-server and PostgreSQL; servers only when embedded): on a
@@ -60,7 +60,9 @@ def cpu_per_event(before: dict[str, float | None], after: dict[str, float | None
     return out
 
 
-async def end_to_end(infra: Servers, n: int, batch: int) -> tuple[float, dict[str, float]]:
+async def end_to_end(
+    infra: Servers, n: int, batch: int, *, exactly_once: bool = False
+) -> tuple[float, dict[str, float]]:
     nats_url, db_url = infra.nats_url, infra.database_url
     schema = "bench_" + uuid.uuid4().hex[:8]
     await asyncio.to_thread(run_migrations, db_url, schema)
@@ -74,6 +76,10 @@ async def end_to_end(infra: Servers, n: int, batch: int) -> tuple[float, dict[st
 
     async def handler(event: Event, msg) -> None:
         nonlocal received
+        if exactly_once:  # as a service's handler runs: tracking row and effects in one transaction
+            async with store.transaction() as tx:
+                if not await tx.mark_processed("bench", event.event_id):
+                    return
         received += 1
         if received >= n:
             done.set()
@@ -150,11 +156,14 @@ async def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--events", type=int, default=20_000)
     parser.add_argument("--batch", type=int, default=500)
+    parser.add_argument("--exactly-once", action="store_true",
+                        help="the consumer records each event in the tracking table, one transaction per event")
     args = parser.parse_args()
     with servers() as infra:
         raw_rate, raw_cpu = await raw(infra, args.events, args.batch)
-        e2e_rate, cpu = await end_to_end(infra, args.events, args.batch)
-    print(f"servers: {infra.kind}; events: {args.events}; batch: {args.batch}", file=sys.stderr)
+        e2e_rate, cpu = await end_to_end(infra, args.events, args.batch, exactly_once=args.exactly_once)
+    print(f"servers: {infra.kind}; events: {args.events}; batch: {args.batch}; "
+          f"exactly-once tracking: {args.exactly_once}", file=sys.stderr)
     print(f"CPU µs per event, end to end: {json.dumps(cpu)}; raw nats-py: {json.dumps(raw_cpu)}", file=sys.stderr)
     print(json.dumps({
         "bench": "bus",
