@@ -58,6 +58,7 @@ class Service:
         self._health_server: asyncio.base_events.Server | None = None
         self.started_at = time.monotonic()
         self.processed = 0
+        self.skipped_other_runs = 0
 
     # ---- hooks for subclasses ----
 
@@ -155,6 +156,10 @@ class Service:
     def _exactly_once(self, consumer: str, handler: EventHandler) -> Callable[[Event, Msg], Awaitable[None]]:
         async def handle(event: Event, msg: Msg) -> None:
             assert self.store is not None
+            if event.run_id != self.settings.run_id:
+                # Runs share the bus: a service serves its own run only (acked, not recorded as processed).
+                self.skipped_other_runs += 1
+                return
             async with self.store.transaction() as tx:
                 if not await tx.mark_processed(consumer, event.event_id):
                     return

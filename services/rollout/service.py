@@ -80,7 +80,7 @@ class RolloutWorkerService(Service):
             emit=self._emit_data,
             peers=NatsPeers(self.bus, directory),
         )
-        latest = await self.store.read_all(types=["weights.published"])
+        latest = await self.store.read_all(types=["weights.published"], run_id=self.settings.run_id)
         if latest:
             await self._load(latest[-1].event)
         self.server = await WorkerServer(self.worker, self.bus, heartbeat_s=r.heartbeat_s).start()

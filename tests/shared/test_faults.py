@@ -171,7 +171,7 @@ async def test_consumer_killed_before_ack_applies_the_effect_once(store, bus, in
         database_url=infra.database_url, nats_url=infra.nats_url, db_schema=store.schema,
         subject_prefix=bus.prefix, run_id=unique("r"),
     )
-    inputs = [assigned(f"cell-in{i}", 1) for i in range(5)]
+    inputs = [assigned(f"cell-in{i}", 1, run_id=settings.run_id) for i in range(5)]
     for e in inputs:
         await bus.publish(e)
 
@@ -203,3 +203,27 @@ async def test_consumer_killed_before_ack_applies_the_effect_once(store, bus, in
     await second.stop()
     effects = [s.event.stream_id for s in await store.read_after(0) if s.event.stream_id.startswith("cell-effect-")]
     assert sorted(effects) == sorted(f"cell-effect-{e.event_id}" for e in inputs)
+
+
+async def test_a_service_handles_its_own_run_only(store, bus, infra: Infra):
+    """Runs share the bus: another run's events are acknowledged and left alone (no effect, no tracking)."""
+    settings = Settings(
+        database_url=infra.database_url, nats_url=infra.nats_url, db_schema=store.schema,
+        subject_prefix=bus.prefix, run_id=unique("mine"),
+    )
+    mine = [assigned(f"cell-mine{i}", 1, run_id=settings.run_id) for i in range(2)]
+    theirs = [assigned(f"cell-theirs{i}", 1, run_id=unique("theirs")) for i in range(3)]
+    for e in [theirs[0], *mine, *theirs[1:]]:
+        await bus.publish(e)
+    service = EffectService(settings)
+    await service.start()
+    try:
+        for _ in range(100):
+            if service.processed + service.skipped_other_runs >= 5:
+                break
+            await asyncio.sleep(0.1)
+    finally:
+        await service.stop()
+    effects = [s.event.stream_id for s in await store.read_after(0) if s.event.stream_id.startswith("cell-effect-")]
+    assert sorted(effects) == sorted(f"cell-effect-{e.event_id}" for e in mine)
+    assert (service.processed, service.skipped_other_runs) == (2, 3)
