@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import os
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,7 @@ class RolloutWorkerService(Service):
         self.server: Any = None
         self.engine: Any = None
         self._watch: Any = None
+        self.process_started_at = datetime.now(UTC)
 
     async def setup(self) -> None:
         from services.rollout.engine import VllmConfig, VllmEngine, prepare_cpu_environment
@@ -102,10 +104,26 @@ class RolloutWorkerService(Service):
             blob = await self.bus.get_object(ref.digest)
         await self.worker.apply_weights(event.data.version, load_safetensors(blob))
 
+    def _drains_me(self, event: Event) -> bool:
+        """A drain order for this worker: its cell, leaving the rollout role, issued after this process began.
+
+        The per-cell durable consumer outlives the worker process, so a new worker on a cell that switched
+        (rollout → train → rollout) is also handed the cell's earlier drains, and the one for leaving the
+        train role; those are not for it. The cell agent issuing the order runs on the same node, so the
+        clocks agree.
+        """
+        data = event.data
+        assert isinstance(data, CellDraining) and self.worker is not None
+        return (
+            data.cell_id == self.worker.cell_id
+            and data.from_role == "rollout"
+            and event.occurred_at >= self.process_started_at
+        )
+
     async def handle(self, event: Event, tx: Transaction) -> None:
         if isinstance(event.data, WeightsPublished):
             await self._load(event)
-        elif isinstance(event.data, CellDraining) and event.data.cell_id == self.worker.cell_id:
+        elif isinstance(event.data, CellDraining) and self._drains_me(event):
             from services.rollout.protocol import DrainRequest
 
             self.spawn(self.worker.drain(DrainRequest()), name="drain")

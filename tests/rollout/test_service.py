@@ -107,3 +107,26 @@ async def test_worker_service_loads_published_weights_from_the_blob_store(store)
     await service.handle(event, None)
     assert service.worker.policy_version == 4
     assert torch.equal(RecordingEngine.loaded["layer.weight"], weights["layer.weight"])
+
+
+async def test_worker_drains_only_on_its_own_rollout_drain_issued_after_it_started() -> None:
+    """The per-cell durable outlives the worker: a new worker must not obey the cell's earlier drains, nor
+    the order for leaving the train role (rollout → train → rollout)."""
+    from datetime import timedelta
+
+    from services.rollout.service import RolloutWorkerService
+    from shared.events import CellDraining
+    from tests.rollout.fakes import CharCodec
+
+    service = RolloutWorkerService(Settings(run_id="run-d"), RolloutSettings(cell_id="cell-3"))
+    service.worker = RolloutWorker(ScriptedEngine(CharCodec()), worker_id="w3", cell_id="cell-3")
+
+    def drain(cell: str, from_role: str, seconds_after_start: float):
+        return new_event(CellDraining(cell_id=cell, from_role=from_role, live_sessions=0), run_id="run-d",
+                         stream_id=f"cell-{cell}", version=1,
+                         occurred_at=service.process_started_at + timedelta(seconds=seconds_after_start))
+
+    assert service._drains_me(drain("cell-3", "rollout", 1.0))  # noqa: SLF001
+    assert not service._drains_me(drain("cell-3", "train", 1.0))  # noqa: SLF001
+    assert not service._drains_me(drain("cell-3", "rollout", -5.0))  # noqa: SLF001
+    assert not service._drains_me(drain("cell-4", "rollout", 1.0))  # noqa: SLF001
