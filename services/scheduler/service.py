@@ -60,6 +60,10 @@ class SchedulerSettings(BaseSettings):
     session_reserve_tokens: int = Field(default=8192, ge=1)  # KV one session reserves on its cell
     default_kv_tokens: int = Field(default=1 << 20, ge=1)  # a cell that registers capacity 0
     fill: float = Field(default=0.9, gt=0, le=1)
+    # Colocate's run-ahead parks in-flight sessions through each training phase. A live engine that is
+    # stopped for training (vLLM on CPU has no sleep mode) cannot hold them, and their calls would fail
+    # while the pool trains; so live colocate runs synchronously unless asked (the simulator parks).
+    colocate_run_ahead: bool = False
 
     @field_validator("task_ids", mode="before")
     @classmethod
@@ -168,6 +172,7 @@ class SchedulerService(Service):
                 budget_cells=budget_cells,
                 rollout_cells=self.sched.rollout_cells or None,
                 fill=self.sched.fill,
+                colocate_run_ahead=self.sched.colocate_run_ahead,
             )
         return self._policies[budget_cells]
 
