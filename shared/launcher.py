@@ -117,6 +117,8 @@ def loop_environment(
         "GYRE_SCHEDULER_MIN_CELLS": str(cells),
         "GYRE_SCHEDULER_TICK_S": "0.5",
         "GYRE_CELL_COUNT": str(cells),
+        # Each cell's process serves health on base + index: a free block, so runs on one machine do not clash.
+        "GYRE_CELL_HEALTH_PORT_BASE": str(local.free_port_block(cells)),
         "GYRE_CELL_TRAIN_COMMAND": "hold",
         "GYRE_CELL_LOG_DIR": str(run_dir / "logs" / "cells"),
         "GYRE_ROLLOUT_PORT": str(gateway_port),

@@ -6,6 +6,7 @@ are configured. PostgreSQL refuses to run as root, so as root the server runs as
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pwd
@@ -36,6 +37,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def free_port_block(count: int, attempts: int = 200) -> int:
+    """The first of `count` consecutive ports that are free now (for per-cell ports of one run)."""
+    import random
+
+    for _ in range(attempts):
+        base = random.randint(20000, 60000 - count)
+        try:
+            with contextlib.ExitStack() as stack:
+                for port in range(base, base + count):
+                    sock = stack.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise LocalInfraError(f"no block of {count} free ports found in {attempts} attempts")
 
 
 def _wait_port(port: int, timeout: float, what: str) -> None:

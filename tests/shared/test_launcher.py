@@ -64,3 +64,19 @@ def test_strays_of_a_run_are_reaped_and_no_other_process() -> None:
         for p in (mine, other):
             p.kill()
             p.wait()
+
+
+def test_each_run_gets_its_own_block_of_cell_ports(tmp_path: Path) -> None:
+    import socket
+
+    from shared.local import free_port_block
+
+    base = free_port_block(3)
+    for port in range(base, base + 3):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # free
+    env = launcher.loop_environment(
+        run_id="r", nats_url="nats://x", database_url="postgresql://x", model_dir=tmp_path, run_dir=tmp_path,
+        mode="async", steps=1, group_size=2, max_staleness=1, seed=0, task_ids=["t"], gateway_port=1, cells=2,
+    )
+    assert int(env["GYRE_CELL_HEALTH_PORT_BASE"]) >= 20000 and env["GYRE_CELL_COUNT"] == "2"
