@@ -262,8 +262,17 @@ LEARNABLE_FAMILIES: tuple[str, ...] = ("sum-numbers", "count-matches", "uppercas
 
 
 def learnable_tasks(families: tuple[str, ...] = LEARNABLE_FAMILIES, tasks_dir: Path = Path("tasks")) -> list[str]:
-    """The shipped tasks of the learnable family (tasks/<family>-<n>); demonstrations never use their parameters."""
-    return sorted(p.name for p in tasks_dir.iterdir() if p.name.rsplit("-", 1)[0] in families)
+    """The shipped tasks of the learnable family (tasks/<family>-<n>); demonstrations never use their parameters.
+
+    Interleaved across families (count-matches-1, sort-lines-1, sum-numbers-1, uppercase-1, count-matches-2,
+    …), so the scheduler's round-robin gives every step a mix of skills: a batch of one family pushes the
+    small shared policy toward that family's command, and the next family's rollouts pay for it.
+    """
+    by_family: dict[str, list[str]] = {}
+    for name in sorted(p.name for p in tasks_dir.iterdir() if p.name.rsplit("-", 1)[0] in families):
+        by_family.setdefault(name.rsplit("-", 1)[0], []).append(name)
+    columns = [by_family[f] for f in sorted(by_family)]
+    return [column[i] for i in range(max(map(len, columns), default=0)) for column in columns if i < len(column)]
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,11 @@ def test_bad_options_are_refused_before_anything_starts(args: list[str], message
 
 def test_learnable_tasks_are_the_shipped_tasks_of_the_family() -> None:
     tasks = launcher.learnable_tasks()
-    assert tasks == sorted(tasks) and len(tasks) == 10
+    assert len(tasks) == len(set(tasks)) == 10
+    # Interleaved: consecutive tasks (one step's queries) come from different families.
+    families = [t.rsplit("-", 1)[0] for t in tasks]
+    assert families[:4] == sorted(launcher.LEARNABLE_FAMILIES)
+    assert all(a != b for a, b in zip(families, families[1:]))
     assert {t.rsplit("-", 1)[0] for t in tasks} == set(launcher.LEARNABLE_FAMILIES)
     assert all((Path("tasks") / t / "task.yaml").is_file() for t in tasks)
 
