@@ -207,14 +207,19 @@ def write_family(root: Path) -> list[Path]:
         files = family(task_id, **params)
         files["run-tests.sh"] = RUN_TESTS
         files["params.json"] = json.dumps(params, sort_keys=True) + "\n"
-        for relative, text in files.items():
-            path = folder / relative
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
-            if relative.endswith(".sh"):
-                path.chmod(0o755)
-        written.append(folder)
+        written.append(write_task(folder, files))
     return written
+
+
+def write_task(folder: Path, files: Files) -> Path:
+    """Write one task folder's files (scripts executable); returns the folder."""
+    for relative, text in files.items():
+        path = folder / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        if relative.endswith(".sh"):
+            path.chmod(0o755)
+    return folder
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from services.harness import demos
 from services.harness.agent_core import SYSTEM_PROMPT, TOOL_SCHEMAS
+from services.harness.taskgen import write_task
 from services.harness.tasks import load_task
 
 
@@ -96,14 +97,7 @@ def test_demonstrated_command_solves_a_fresh_instance_in_the_sandbox(family: str
     from services.harness.taskrun import prepare, run_tests, sandbox_spec_for
 
     instance = demos.sample_instances(seed=7, count=1, families=[family])[0]
-    folder = tmp_path / instance.task_id
-    for relative, text in instance.files().items():
-        path = folder / relative
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        if relative.endswith(".sh"):
-            path.chmod(0o755)
-    task = load_task(folder)
+    task = load_task(write_task(tmp_path / instance.task_id, instance.files()))
     sandbox = make_sandbox(tmp_path / "state", sandbox_spec_for(task))
     try:
         prepare(task, sandbox)
@@ -149,14 +143,7 @@ def test_slips_earn_less_than_full_credit_in_the_sandbox(family: str, tmp_path: 
     scores = {}
     for slip in demos.SLIPS:
         instance = demos.make_instance(family, base.params, base.task_id, slip)
-        folder = tmp_path / slip / instance.task_id
-        for relative, text in instance.files().items():
-            path = folder / relative
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
-            if relative.endswith(".sh"):
-                path.chmod(0o755)
-        task = load_task(folder)
+        task = load_task(write_task(tmp_path / slip / instance.task_id, instance.files()))
         sandbox = make_sandbox(tmp_path / "state" / slip, sandbox_spec_for(task))
         try:
             prepare(task, sandbox)
