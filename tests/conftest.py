@@ -13,6 +13,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -133,4 +134,19 @@ def database_url_for(store: EventStore, base_url: str) -> str:
     return f"{base_url}{sep}options=-csearch_path%3D{store.schema}"
 
 
-__all__ = ["Infra", "async_url", "database_url_for", "drop_bus", "drop_store", "make_bus", "make_store", "unique"]
+class RunningRelay:
+    """An outbox relay running in this process for a test (the services under test run as subprocesses)."""
+
+    def __init__(self, store: EventStore, bus: Any, infra: Infra) -> None:
+        from shared.relay import OutboxRelay
+
+        self._stop = asyncio.Event()
+        relay = OutboxRelay(store, bus, dsn=database_url_for(store, infra.database_url), idle_wait_s=0.2)
+        self._task = asyncio.create_task(relay.run(self._stop))
+
+    async def stop(self) -> None:
+        self._stop.set()
+        await self._task
+
+
+__all__ = ["Infra", "RunningRelay", "async_url", "database_url_for", "drop_bus", "drop_store", "make_bus", "make_store", "unique"]

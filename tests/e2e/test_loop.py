@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from shared.launcher import loop_environment, service_processes, start_all, stop_all
-from shared.local import free_port
+from shared.launcher import service_processes, start_all, stop_all
 from tests.conftest import Infra, unique
+from tests.e2e.helpers import loop_test_environment
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 pytest.importorskip("vllm", reason="the loop needs the vLLM engine (install the cpu or gpu extra)")
@@ -43,24 +43,9 @@ def first(events, type_: str, **match) -> int:
 
 
 async def test_one_step_of_the_loop_runs_through_every_service(store, bus, infra: Infra, tmp_path: Path):
-    from shared.tinymodel import create_tiny_model
-
     run_id = unique("e2e-")
-    model_dir = create_tiny_model(tmp_path / "model", seed=0, size="tiny")
-    env = loop_environment(
-        run_id=run_id, nats_url=infra.nats_url, database_url=infra.database_url, model_dir=model_dir,
-        run_dir=tmp_path, mode="async", steps=1, group_size=GROUP, max_staleness=1, seed=0,
-        task_ids=["create-file-1"], gateway_port=free_port(),
-        extra={
-            "GYRE_DB_SCHEMA": store.schema,
-            "GYRE_SUBJECT_PREFIX": bus.prefix,
-            "GYRE_DROP_ZERO_VARIANCE": "false",  # an untrained model scores 0: train on the batch anyway
-            "GYRE_HARNESS_WALL_BUDGET_S": "90",
-            "GYRE_HARNESS_CALL_BUDGET": "3",
-            "GYRE_HARNESS_MAX_TOKENS": "48",
-            "GYRE_ROLLOUT_MAX_MODEL_LEN": "8192",
-        },
-    )
+    env = loop_test_environment(store, bus, infra, tmp_path, run_id=run_id, steps=1, group_size=GROUP,
+                                task_ids=["create-file-1"])
     versions: list[int] = []
 
     async def on_status(msg) -> None:

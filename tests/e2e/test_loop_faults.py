@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from shared.launcher import Proc, loop_environment, service_processes, start_all, stop_all
-from shared.local import free_port
+from shared.launcher import Proc, service_processes, start_all, stop_all
 from tests.conftest import Infra, unique
+from tests.e2e.helpers import loop_test_environment
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1200)]
 pytest.importorskip("vllm", reason="the loop needs the vLLM engine (install the cpu or gpu extra)")
@@ -36,23 +36,9 @@ def kill(proc: Proc) -> None:
 async def test_killing_trajectory_harness_and_trainer_mid_run_loses_and_repeats_no_step(
     store, bus, infra: Infra, tmp_path: Path
 ):
-    from shared.tinymodel import create_tiny_model
-
     run_id = unique("faults-")
-    model_dir = create_tiny_model(tmp_path / "model", seed=0, size="tiny")
-    env = loop_environment(
-        run_id=run_id, nats_url=infra.nats_url, database_url=infra.database_url, model_dir=model_dir,
-        run_dir=tmp_path, mode="async", steps=STEPS, group_size=GROUP, max_staleness=1, seed=0,
-        task_ids=["uppercase-1", "sort-lines-1"], gateway_port=free_port(),
-        extra={
-            "GYRE_DB_SCHEMA": store.schema,
-            "GYRE_SUBJECT_PREFIX": bus.prefix,
-            "GYRE_DROP_ZERO_VARIANCE": "false",  # an untrained model scores 0: train on every batch anyway
-            "GYRE_HARNESS_CALL_BUDGET": "3",
-            "GYRE_HARNESS_MAX_TOKENS": "48",
-            "GYRE_ROLLOUT_MAX_MODEL_LEN": "8192",
-        },
-    )
+    env = loop_test_environment(store, bus, infra, tmp_path, run_id=run_id, steps=STEPS, group_size=GROUP,
+                                task_ids=["uppercase-1", "sort-lines-1"])
     procs = service_processes(sys.executable)
     by_name = {p.name: p for p in procs}
     log_dir = tmp_path / "logs"

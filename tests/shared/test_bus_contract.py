@@ -40,6 +40,21 @@ async def consume_until(bus: Bus, durable: str, types, handler, done, options=FA
         await asyncio.gather(*tasks)
 
 
+async def receive(bus: Bus, durable: str, types, count: int) -> list[Event]:
+    """Run a durable consumer until `count` events arrived; returns them in arrival order."""
+    got: list[Event] = []
+
+    async def handler(event, msg):
+        got.append(event)
+
+    async def done():
+        while len(got) < count:
+            await asyncio.sleep(0.05)
+
+    await consume_until(bus, durable, types, handler, done)
+    return got
+
+
 async def test_publish_is_deduplicated_by_event_id(nbus: Bus):
     event = assigned()
     assert await nbus.publish(event) is True
@@ -52,17 +67,7 @@ async def test_pipelined_publish_counts_new_events_and_keeps_their_order(nbus: B
     payloads = [(e.type, e.to_json(), str(e.event_id)) for e in events]
     assert await nbus.publish_payloads(payloads[:200]) == 200
     assert await nbus.publish_payloads(payloads) == 100  # the first 200 are duplicates
-    got: list[Event] = []
-
-    async def handler(event, msg):
-        got.append(event)
-
-    async def done():
-        while len(got) < 300:
-            await asyncio.sleep(0.05)
-
-    await consume_until(nbus, "pipelined", ["cell.assigned"], handler, done)
-    assert got == events
+    assert await receive(nbus, "pipelined", ["cell.assigned"], 300) == events
 
 
 async def test_pipelined_publish_without_a_stream_is_a_named_error(nbus: Bus):
@@ -74,17 +79,7 @@ async def test_durable_consumer_receives_in_order_and_acks(nbus: Bus):
     events = [assigned("cell-a", v) for v in range(1, 21)]
     for e in events:
         await nbus.publish(e)
-    got: list[Event] = []
-
-    async def handler(event, msg):
-        got.append(event)
-
-    async def done():
-        while len(got) < 20:
-            await asyncio.sleep(0.05)
-
-    await consume_until(nbus, "c1", ["cell.assigned"], handler, done)
-    assert got == events
+    assert await receive(nbus, "c1", ["cell.assigned"], 20) == events
     # Acked: a new run of the same durable consumer receives nothing more.
     more: list[Event] = []
 

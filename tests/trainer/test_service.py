@@ -14,11 +14,10 @@ from services.trainer.service import TrainerOptions, TrainerService
 from shared.batch import BATCH_MEDIA_TYPE
 from shared.bus import ConsumerOptions
 from shared.events import BatchReady, Event, new_event
-from shared.relay import OutboxRelay
 from shared.settings import Settings
 from shared.store import EventStore
 from shared.tinymodel import create_tiny_model
-from tests.conftest import Infra, database_url_for, unique
+from tests.conftest import Infra, RunningRelay, unique
 from tests.trainer.trainer_trees import make_batch
 
 FAST = ConsumerOptions(ack_wait_s=30.0, max_deliver=1000, backoff_s=(0.2,), batch=10, fetch_timeout_s=0.2)
@@ -89,9 +88,7 @@ async def test_trainer_service_trains_each_step_once_across_a_crash_before_commi
         eps_low=0.2, eps_high=0.28, recompute_old_logprobs=True, max_staleness=1,
     )
     options = TrainerOptions(lr=1e-3, precision="fp32")
-    stop_relay = asyncio.Event()
-    relay = OutboxRelay(store, bus, dsn=database_url_for(store, infra.database_url), idle_wait_s=0.2)
-    relay_task = asyncio.create_task(relay.run(stop_relay))
+    relay = RunningRelay(store, bus, infra)
     try:
         first = CrashBeforeCommit(settings, options)
         await first.start()
@@ -110,8 +107,7 @@ async def test_trainer_service_trains_each_step_once_across_a_crash_before_commi
         completed = await wait_for(store, run_id, "step.completed", 4)
         await second.stop()
     finally:
-        stop_relay.set()
-        await relay_task
+        await relay.stop()
 
     steps = sorted(e.data.step for e in completed)
     assert steps == [0, 1, 2, 3], "a step was skipped or emitted twice"
@@ -166,9 +162,7 @@ async def test_trainer_process_killed_mid_run_resumes_without_repeating_or_skipp
         "GYRE_TRAINER_ACK_WAIT_S": "5",
     }
     cmd = [sys.executable, "-m", "services.trainer"]
-    stop_relay = asyncio.Event()
-    relay = OutboxRelay(store, bus, dsn=database_url_for(store, infra.database_url), idle_wait_s=0.2)
-    relay_task = asyncio.create_task(relay.run(stop_relay))
+    relay = RunningRelay(store, bus, infra)
     proc = subprocess.Popen(cmd, cwd=repo_root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         for step in range(3):
@@ -182,8 +176,7 @@ async def test_trainer_process_killed_mid_run_resumes_without_repeating_or_skipp
     finally:
         proc.terminate()
         proc.wait()
-        stop_relay.set()
-        await relay_task
+        await relay.stop()
     assert sorted(e.data.step for e in completed) == [0, 1, 2, 3]
     assert sorted(e.data.policy_version for e in completed) == [1, 2, 3, 4]
     state = read_trainer_state(latest_checkpoint(state_dir / "trainer" / run_id / "checkpoints"))

@@ -13,10 +13,9 @@ from services.trajectory.synthetic import ExecutionLog, stable_uuid, EPOCH
 from shared.batch import TrainingBatch
 from shared.bus import ConsumerOptions
 from shared.events import BatchReady, Event, QueryDispatched, new_event
-from shared.relay import OutboxRelay
 from shared.settings import Settings
 from shared.store import EventStore
-from tests.conftest import Infra, database_url_for, unique
+from tests.conftest import Infra, RunningRelay, unique
 
 FAST = ConsumerOptions(ack_wait_s=1.0, max_deliver=50, backoff_s=(0.1,), batch=100, fetch_timeout_s=0.2)
 SYS = [256, 1, 2, 3, 4, 5]
@@ -86,9 +85,7 @@ async def test_service_emits_one_batch_per_step_across_a_kill_and_restart(store,
         subject_prefix=bus.prefix, run_id=run_id, micro_batch_tokens=48, cap_k=2, max_staleness=1,
         drop_zero_variance=True,
     )
-    stop_relay = asyncio.Event()
-    relay = OutboxRelay(store, bus, dsn=database_url_for(store, infra.database_url), idle_wait_s=0.2)
-    relay_task = asyncio.create_task(relay.run(stop_relay))
+    relay = RunningRelay(store, bus, infra)
     step0, blobs0 = query_events(run_id, 0, 4)
     step1, blobs1 = query_events(run_id, 1, 4)
     try:
@@ -117,8 +114,7 @@ async def test_service_emits_one_batch_per_step_across_a_kill_and_restart(store,
         found = await wait_for_batches(store, run_id, 2)
         await second.stop()
     finally:
-        stop_relay.set()
-        await relay_task
+        await relay.stop()
 
     assert sorted(e.data.step for e in found) == [0, 1], "a batch is missing or was emitted twice"
     # The live batches are exactly what a pure replay of the log rebuilds (same digests).
@@ -168,9 +164,7 @@ async def test_service_process_killed_mid_run_resumes_without_missing_or_duplica
         "GYRE_BACKOFF_S": "[0.1]",
     }
     cmd = [sys.executable, "-m", "services.trajectory"]
-    stop_relay = asyncio.Event()
-    relay = OutboxRelay(store, bus, dsn=database_url_for(store, infra.database_url), idle_wait_s=0.2)
-    relay_task = asyncio.create_task(relay.run(stop_relay))
+    relay = RunningRelay(store, bus, infra)
     steps = [query_events(run_id, s, 3) for s in range(3)]
     proc = subprocess.Popen(cmd, cwd=repo_root, env=env, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     try:
@@ -187,8 +181,7 @@ async def test_service_process_killed_mid_run_resumes_without_missing_or_duplica
     finally:
         proc.terminate()
         proc.wait()
-        stop_relay.set()
-        await relay_task
+        await relay.stop()
     assert sorted(e.data.step for e in found) == [0, 1, 2]
     history = [s.event for s in await store.read_all(run_id=run_id)]
     blobs = {}
