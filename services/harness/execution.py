@@ -44,7 +44,7 @@ class AgentStopped(BaseModel):
     stop_reason: str
     budget: TimeoutBudget | None = None
     elapsed_s: float
-    calls: int
+    calls: int | None  # answered model calls; None where the harness cannot count them (an external agent)
 
 
 class ExecutionObserver(Protocol):
@@ -144,10 +144,10 @@ def _agent_stopped(outcome: AgentOutcome) -> AgentStopped:
 
 def _external_stopped(outcome: ExternalOutcome) -> AgentStopped:
     if outcome.timed_out:
-        return AgentStopped(status="timed_out", stop_reason="wall-clock budget spent", budget="wall_clock", elapsed_s=outcome.elapsed_s, calls=0)
+        return AgentStopped(status="timed_out", stop_reason="wall-clock budget spent", budget="wall_clock", elapsed_s=outcome.elapsed_s, calls=None)
     reason = "exit 0" if outcome.exit_code == 0 else f"exit {outcome.exit_code}"
     # A harness that exits non-zero still ends normally from the execution's view; its work is graded.
-    return AgentStopped(status="finished", stop_reason=reason, elapsed_s=outcome.elapsed_s, calls=0)
+    return AgentStopped(status="finished", stop_reason=reason, elapsed_s=outcome.elapsed_s, calls=None)
 
 
 def grade_preserved(task: Task, state_dir: Path, *, backend: str = "auto", spec: SandboxSpec | None = None) -> GradeResult:

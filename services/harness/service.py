@@ -30,6 +30,7 @@ from services.harness.external import GatewayAccess
 from services.harness.planning import plan_query, recovery_actions
 from services.harness.tasks import Task, TaskFormatError, load_task
 from shared.events import (
+    CallCompleted,
     Event,
     EventData,
     ExecutionBranched,
@@ -159,6 +160,7 @@ class HarnessService(Service):
         log = self.log.bind(execution_id=execution_id, query_id=started.query_id)
         async with self._slots:
             t0 = time.monotonic()
+            ended = False
             try:
                 token = await self._register(execution_id)
             except httpx.HTTPError as exc:
@@ -178,7 +180,10 @@ class HarnessService(Service):
                 )
 
             async def on_stopped(stopped: AgentStopped) -> None:
-                await self._emit(_ended(execution_id, stopped), stream, cause)
+                nonlocal ended
+                calls = stopped.calls if stopped.calls is not None else await self.recorded_calls(execution_id)
+                await self._emit(_ended(execution_id, stopped, calls), stream, cause)
+                ended = True
 
             budget = Budget(wall_clock_s=self.h.wall_budget_s, max_calls=self.h.call_budget)
             try:
@@ -194,9 +199,10 @@ class HarnessService(Service):
                 )
             except Exception as exc:
                 log.exception("execution_failed", error=str(exc))
-                await self._emit(
-                    ExecutionTimedOut(execution_id=execution_id, budget="crash",
-                                      elapsed_s=time.monotonic() - t0, calls=0), stream, cause)
+                if not ended:  # one end per execution: grading may fail after the agent's own end was reported
+                    await self._emit(
+                        ExecutionTimedOut(execution_id=execution_id, budget="crash", elapsed_s=time.monotonic() - t0,
+                                          calls=await self.recorded_calls(execution_id)), stream, cause)
                 await self._emit(self._zero_score(started, str(exc)), stream, cause)
                 return
             grade = result.grade
@@ -209,6 +215,22 @@ class HarnessService(Service):
                 stream, cause,
             )
             log.info("execution_scored", reward=grade.score, status=result.stopped.status)
+
+    async def recorded_calls(self, execution_id: str) -> int:
+        """How many of an execution's calls the log holds, counted from call 0 without a gap: the count an end
+        event reports when the agent could not (an external harness, a crash). The gateway records a call
+        before it answers, so every call the agent was answered is in this count; a call the engine finishes
+        later is recorded past the end and left out of the trajectory."""
+        assert self.store is not None
+        indices = {
+            stored.event.data.call_index
+            for stored in await self.store.read_stream(stream_id_for("execution", execution_id))
+            if isinstance(stored.event.data, CallCompleted)
+        }
+        count = 0
+        while count in indices:
+            count += 1
+        return count
 
     def _zero_score(self, started: ExecutionStarted, reason: str) -> ExecutionScored:
         self.log.warning("execution_scored_zero", execution_id=started.execution_id, reason=reason)
@@ -236,8 +258,8 @@ class HarnessService(Service):
             s = started[action.execution_id]
             stream = stream_id_for("execution", s.execution_id)
             if action.mark_timed_out:
-                await self._emit(ExecutionTimedOut(execution_id=s.execution_id, budget="crash", elapsed_s=0, calls=0),
-                                 stream, None)
+                await self._emit(ExecutionTimedOut(execution_id=s.execution_id, budget="crash", elapsed_s=0,
+                                                   calls=await self.recorded_calls(s.execution_id)), stream, None)
             try:
                 grade = await asyncio.to_thread(
                     grade_preserved, self.task(s.task_id), self.h.work_dir / s.execution_id, backend=self.h.backend
@@ -257,12 +279,11 @@ def _bind(fn: Any, *args: Any) -> Any:
     return lambda: fn(*args)
 
 
-def _ended(execution_id: str, stopped: AgentStopped) -> EventData:
+def _ended(execution_id: str, stopped: AgentStopped, calls: int) -> EventData:
     if stopped.status == "timed_out":
         return ExecutionTimedOut(
-            execution_id=execution_id, budget=stopped.budget or "wall_clock",
-            elapsed_s=stopped.elapsed_s, calls=stopped.calls,
+            execution_id=execution_id, budget=stopped.budget or "wall_clock", elapsed_s=stopped.elapsed_s, calls=calls,
         )
     return ExecutionFinished(
-        execution_id=execution_id, elapsed_s=stopped.elapsed_s, calls=stopped.calls, stop_reason=stopped.stop_reason
+        execution_id=execution_id, elapsed_s=stopped.elapsed_s, calls=calls, stop_reason=stopped.stop_reason
     )

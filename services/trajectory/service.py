@@ -123,7 +123,8 @@ class TrajectoryService(Service):
         for ref in refs:  # token blobs are only needed until the tree exists
             self.blobs.pop(ref.digest, None)
         stats = tree.stats()
-        self.log.info("tree_built", execution_id=execution_id, digest=tree.digest(), **stats.as_dict())
+        self.log.info("tree_built", execution_id=execution_id, digest=tree.digest(),
+                      late_calls_left_out=len(snapshot.late_calls), **stats.as_dict())
 
     def _blob(self, ref: BlobRef) -> bytes:
         return self.blobs[ref.digest]

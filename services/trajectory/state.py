@@ -62,15 +62,41 @@ class ExecutionState:
     ended: str | None = None  # "finished" | "timed_out"
     ended_calls: int | None = None
     reward: float | None = None
-    timed_out: bool = False
+    scored_timed_out: bool = False
+    _end_rank: tuple[bool, int, bool] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def timed_out(self) -> bool:
+        return self.ended == "timed_out" or self.scored_timed_out
 
     @property
     def started(self) -> bool:
         return self.query_id is not None
 
     @property
+    def trajectory_calls(self) -> dict[int, CallCompleted]:
+        """The calls the execution ended with. A call recorded after its end (the agent stopped waiting for it
+        at its deadline, or its harness crashed while the engine still answered) is in the log but is not part
+        of the execution: the live service may have built the tree before that call arrived, so leaving it out
+        is what keeps replay equal to the live batch."""
+        if self.ended_calls is None:
+            return self.calls
+        return {i: c for i, c in self.calls.items() if i < self.ended_calls}
+
+    @property
+    def late_calls(self) -> list[int]:
+        """Indices of calls recorded after the execution ended (see `trajectory_calls`)."""
+        return sorted(i for i in self.calls if self.ended_calls is not None and i >= self.ended_calls)
+
+    @property
+    def trajectory_labels(self) -> list[BranchLabel]:
+        if self.ended_calls is None:
+            return list(self.labels)
+        return [label for label in self.labels if label.at_call_index < self.ended_calls]
+
+    @property
     def has_all_calls(self) -> bool:
-        return self.ended_calls is not None and sorted(self.calls) == list(range(self.ended_calls))
+        return self.ended_calls is not None and all(i in self.calls for i in range(self.ended_calls))
 
     @property
     def complete(self) -> bool:
@@ -144,19 +170,28 @@ class RunLog:
                 s = self._execution(d.execution_id, event.run_id)
                 s.labels.append(BranchLabel(d.at_call_index, d.kind, d.from_call_index, d.chain_id))
             case ExecutionFinished():
-                s = self._execution(d.execution_id, event.run_id)
-                s.ended, s.ended_calls = "finished", d.calls
+                self._end(self._execution(d.execution_id, event.run_id), "finished", d.calls, crash=False)
             case ExecutionTimedOut():
-                s = self._execution(d.execution_id, event.run_id)
-                s.ended, s.ended_calls, s.timed_out = "timed_out", d.calls, True
+                self._end(self._execution(d.execution_id, event.run_id), "timed_out", d.calls,
+                          crash=d.budget == "crash")
             case ExecutionScored():
                 s = self._execution(d.execution_id, event.run_id)
                 s.reward = d.reward
-                s.timed_out = s.timed_out or d.timed_out
+                s.scored_timed_out = s.scored_timed_out or d.timed_out
             case BatchReady():
                 self.batches.setdefault(d.step, event)
             case _:
                 pass  # other event types are not the trajectory service's concern
+
+    @staticmethod
+    def _end(s: ExecutionState, how: str, calls: int, *, crash: bool) -> None:
+        """Record how an execution ended. The harness reports one end per execution; should two arrive, the
+        choice must not depend on their order (a redelivery can swap them): an agent's own end beats a crash
+        mark, then the one reporting more calls, then "timed_out" over "finished"."""
+        rank = (not crash, calls, how == "timed_out")
+        if s.ended is not None and s._end_rank is not None and s._end_rank >= rank:
+            return
+        s.ended, s.ended_calls, s._end_rank = how, calls, rank
 
     # ---- steps ------------------------------------------------------------------------------------
 
@@ -191,7 +226,7 @@ class RunLog:
         return out
 
     def blob_refs(self, execution_ids: Iterable[str]) -> list[BlobRef]:
-        return [c.record for e in execution_ids for _, c in sorted(self.executions[e].calls.items())]
+        return [c.record for e in execution_ids for _, c in sorted(self.executions[e].trajectory_calls.items())]
 
 
 def call_records(state: ExecutionState, get_blob: BlobGetter) -> list[CallRecord]:
@@ -200,8 +235,9 @@ def call_records(state: ExecutionState, get_blob: BlobGetter) -> list[CallRecord
     if missing:
         raise LogError(f"execution {state.execution_id}: calls {missing[:10]} are missing from the log")
     records = []
-    for index in sorted(state.calls):
-        c = state.calls[index]
+    calls = state.trajectory_calls
+    for index in sorted(calls):
+        c = calls[index]
         try:
             blob = get_blob(c.record)
         except KeyError as exc:
@@ -241,7 +277,7 @@ def call_records(state: ExecutionState, get_blob: BlobGetter) -> list[CallRecord
 
 def execution_tree(state: ExecutionState, get_blob: BlobGetter) -> TrajectoryTree:
     try:
-        return build_tree(state.execution_id, call_records(state, get_blob), state.labels)
+        return build_tree(state.execution_id, call_records(state, get_blob), state.trajectory_labels)
     except LogError:
         raise
     except Exception as exc:

@@ -23,7 +23,7 @@ def loop_test_environment(
             "GYRE_DB_SCHEMA": store.schema,
             "GYRE_SUBJECT_PREFIX": bus.prefix,
             "GYRE_DROP_ZERO_VARIANCE": "false",  # an untrained model scores 0: train on every batch anyway
-            "GYRE_HARNESS_WALL_BUDGET_S": "90",
+            "GYRE_HARNESS_WALL_BUDGET_S": "300",  # the call budget ends executions; this only bounds a stuck one
             "GYRE_HARNESS_CALL_BUDGET": "3",
             "GYRE_HARNESS_MAX_TOKENS": "48",
             "GYRE_ROLLOUT_MAX_MODEL_LEN": "8192",

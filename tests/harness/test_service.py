@@ -96,20 +96,25 @@ async def test_a_dispatched_query_runs_its_group_and_scores_each_execution(store
 
 
 async def test_restart_marks_unfinished_executions_timed_out_and_grades_preserved_work(store, bus, infra, tmp_path):
-    from shared.events import ExecutionStarted
+    from services.trajectory.synthetic import ExecutionLog
 
     run_id = unique("run-")
     server = gateway([])
     work = tmp_path / "executions"
-    # Two executions were running when the harness died: one had written the answer, one had not started.
+    # Two executions were running when the harness died: one had made two model calls and written the
+    # answer, one had not started.
     done_id, empty_id = "qc-s0", "qc-s1"
     (work / done_id / "work").mkdir(parents=True)
     (work / done_id / "work" / "hello.txt").write_text("hello world\n")
     for i, eid in enumerate((done_id, empty_id)):
-        await store.append([new_event(
-            ExecutionStarted(execution_id=eid, query_id="qc", task_id="create-file-1", group_size=2, sample_index=i, seed=i),
-            run_id=run_id, stream_id=f"execution-{eid}", version=1, occurred_at=utcnow(),
-        )])
+        log = ExecutionLog(eid, query_id="qc", run_id=run_id, task_id="create-file-1", group_size=2,
+                           sample_index=i, seed=i)
+        log.start()
+        if eid == done_id:
+            log.call([1, 2, 3], [4, 5])
+            log.call([1, 2, 3, 4, 5, 6], [7])
+        assert log.stream_id == stream_id_for("execution", eid)
+        await store.append(log.events)
     svc = service(infra, store, bus, tmp_path, server, run_id)
     try:
         await svc.start()
@@ -117,8 +122,9 @@ async def test_restart_marks_unfinished_executions_timed_out_and_grades_preserve
     finally:
         await svc.stop()
         server.stop()
-    timed_out = {e.data.execution_id: e.data.budget for e in events if e.type == "execution.timed_out"}
-    assert timed_out == {done_id: "crash", empty_id: "crash"}
+    timed_out = {e.data.execution_id: (e.data.budget, e.data.calls) for e in events if e.type == "execution.timed_out"}
+    # The crash mark reports the calls the log holds, so the trajectory keeps the work done before the crash.
+    assert timed_out == {done_id: ("crash", 2), empty_id: ("crash", 0)}
     scored = {e.data.execution_id: e.data for e in events if e.type == "execution.scored"}
     assert scored[done_id].reward == 1.0 and scored[done_id].timed_out
     assert scored[empty_id].reward == 0.0

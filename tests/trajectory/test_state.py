@@ -1,0 +1,83 @@
+"""The trajectory fold decides what an execution is from its events alone, whatever order they arrive in:
+the live service (events from several JetStream streams, redeliveries) and replay (log order) must agree."""
+
+from __future__ import annotations
+
+import itertools
+
+from services.trajectory.state import RunLog, execution_tree
+from services.trajectory.synthetic import ExecutionLog
+from shared.events import ExecutionTimedOut
+
+
+def timed_out_with_a_late_call() -> ExecutionLog:
+    """The agent stopped waiting at its deadline during call 1; the engine answered anyway and the gateway
+    recorded that call (and a fork label for it) after the end was reported."""
+    log = ExecutionLog("late", group_size=1)
+    log.start()
+    log.call([1, 2, 3], [4, 5])
+    log.time_out()  # calls=1
+    log.branched("fork", 1, from_call_index=0)
+    log.call([1, 2, 3, 4, 5, 6, 9], [7, 8])
+    log.score(0.25, timed_out=True)
+    return log
+
+
+def test_a_call_recorded_after_the_end_is_not_part_of_the_trajectory() -> None:
+    log = timed_out_with_a_late_call()
+    run = RunLog()
+    run.apply_all(log.events)
+    state = run.executions["late"]
+    assert state.complete and state.late_calls == [1]
+    tree = execution_tree(state, lambda ref: log.blobs[ref.digest])
+    assert [c.call_index for c in tree.calls] == [0]
+    assert tree.num_targets == 2
+    assert run.blob_refs(["late"]) == [log.events[1].data.record]
+
+
+def test_the_tree_is_the_same_whether_the_late_call_arrives_before_or_after_the_score() -> None:
+    log = timed_out_with_a_late_call()
+    late = [e for e in log.events if e.type in ("call.completed", "execution.branched")][1:]
+    early = [e for e in log.events if e not in late]
+    digests = set()
+    for order in (log.events, early + late, late + early):
+        run = RunLog()
+        for event in order:
+            run.apply(event)
+            state = run.executions["late"]
+            if state.complete:  # the live service builds the tree the moment it can
+                digests.add(execution_tree(state, lambda ref: log.blobs[ref.digest]).digest())
+        # Replay builds from the whole log once it is read.
+        digests.add(execution_tree(run.executions["late"], lambda ref: log.blobs[ref.digest]).digest())
+    assert len(digests) == 1
+
+
+def test_two_end_reports_settle_the_same_way_in_any_order() -> None:
+    log = ExecutionLog("twice", group_size=1)
+    log.start()
+    log.call([1, 2], [3])
+    log.call([1, 2, 3, 4], [5])
+    agent_end = log.finish()  # calls=2
+    crash_end = log._emit(ExecutionTimedOut(execution_id="twice", budget="crash", elapsed_s=0, calls=0))
+    outcomes = set()
+    for first, second in itertools.permutations([agent_end, crash_end]):
+        run = RunLog()
+        run.apply_all([*log.events[:3], first, second])
+        s = run.executions["twice"]
+        outcomes.add((s.ended, s.ended_calls, s.timed_out))
+    assert outcomes == {("finished", 2, False)}
+
+
+def test_an_end_reporting_fewer_calls_than_the_log_holds_waits_for_none_and_keeps_the_prefix() -> None:
+    log = ExecutionLog("short", group_size=1)
+    log.start()
+    log.call([1, 2], [3])
+    run = RunLog()
+    run.apply_all(log.events)
+    assert not run.executions["short"].has_all_calls  # no end yet
+    log.time_out(budget="crash")  # calls=1
+    log.call([1, 2, 3, 4], [5])  # still in flight at the crash, recorded afterwards
+    log.score(0.0, timed_out=True)
+    run.apply_all(log.events)
+    s = run.executions["short"]
+    assert s.complete and s.late_calls == [1] and s.missing_calls() == []
