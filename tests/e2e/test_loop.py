@@ -76,7 +76,8 @@ async def test_one_step_of_the_loop_runs_through_every_service(store, bus, infra
     assert types.count("cell.registered") == 2
     assert types.count("execution.started") == GROUP and types.count("execution.scored") == GROUP
     assert types.count("batch.ready") == 1 and types.count("step.completed") == 1
-    assert types.count("call.completed") >= GROUP
+    ends = [(e.type, e.data.model_dump()) for e in events if e.type in ("execution.finished", "execution.timed_out")]
+    assert types.count("call.completed") >= GROUP, f"too few calls recorded; the executions ended: {ends}"
     # A valid order: cells up before dispatch; each execution's life in order; the step after its batch.
     assert first(events, "cell.ready", role="rollout") < first(events, "query.dispatched")
     assert first(events, "query.dispatched") < first(events, "execution.started")
