@@ -142,6 +142,9 @@ class GatewayCore:
                 self.log.error("recording_failed", execution_id=execution_id, error=str(exc))
                 raise ApiError("api_error", f"the call could not be recorded, so it is not returned: {exc}") from exc
             state.tito.commit(plan, completion=completion, reply=message, codec=self.codec)
+        self.log.info("call_completed", execution_id=execution_id, call_id=call_id, cell_id=reply.cell_id,
+                      prompt_tokens=prompt_len, completion_tokens=len(completion),
+                      policy_version=reply.policy_version, latency_s=round(time.perf_counter() - started, 3))
         return Completion(
             call_id=call_id,
             model=parsed.model,
@@ -221,6 +224,7 @@ def create_app(
             parsed = anthropic_api.parse_request(body)
             result = await core.complete(execution_id, parsed, api="anthropic")
         except ApiError as exc:
+            _log_refusal(log, exc, api="anthropic")
             return anthropic_error(exc)
         except Exception as exc:  # an answer in the API's shape, never a bare 500 page
             log.exception("messages_failed")
@@ -247,6 +251,7 @@ def create_app(
             parsed = openai_api.parse_request(body)
             result = await core.complete(execution_id, parsed, api="openai")
         except ApiError as exc:
+            _log_refusal(log, exc, api="openai")
             return openai_error(exc)
         except Exception as exc:
             log.exception("chat_completions_failed")
@@ -297,3 +302,10 @@ def create_app(
         return JSONResponse({"execution_id": execution_id, "ended": True})
 
     return app
+
+
+def _log_refusal(log: Any, exc: ApiError, *, api: str) -> None:
+    """A model call answered with an error: the client's fault at info, capacity and server trouble (429, 5xx)
+    as a warning, so a run whose executions time out waiting shows why in the gateway's log."""
+    level = log.warning if exc.status >= 429 else log.info
+    level("call_refused", api=api, kind=exc.kind, status=exc.status, error=exc.message)
