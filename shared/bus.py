@@ -218,14 +218,26 @@ class Bus:
         event_types: Sequence[str],
         options: ConsumerOptions | None = None,
     ) -> list[JetStreamConsumer]:
-        """Durable pull consumers (one per family stream) filtered to `event_types`."""
+        """Durable pull consumers (one per family stream) that deliver only `event_types`.
+
+        The server filters: one subject, or several with `filter_subjects` (NATS ≥ 2.10). An older server
+        ignores `filter_subjects` and would deliver the whole family, so there the consumer takes the
+        family's wildcard explicitly and drops the other types itself (acked, never handed to the handler).
+        """
         options = options or ConsumerOptions()
         by_family: dict[str, list[str]] = {}
         for t in event_types:
             by_family.setdefault(t.split(".", 1)[0], []).append(self.subject(t))
+        multi = self.supports_multi_filter
         consumers = []
         for family, subjects in sorted(by_family.items()):
             name = f"{durable}-{family}"
+            if len(subjects) == 1:
+                single, several = subjects[0], None
+            elif multi:
+                single, several = None, subjects
+            else:
+                single, several = self.subject(f"{family}.>"), None
             config = ConsumerConfig(
                 durable_name=name,
                 ack_policy=AckPolicy.EXPLICIT,
@@ -233,14 +245,22 @@ class Bus:
                 ack_wait=options.ack_wait_s,
                 max_deliver=options.max_deliver,
                 backoff=list(options.backoff_s) if options.backoff_s else None,
-                filter_subjects=subjects if len(subjects) > 1 else None,
-                filter_subject=subjects[0] if len(subjects) == 1 else None,
+                filter_subjects=several,
+                filter_subject=single,
                 max_ack_pending=max(options.batch * 4, 1000),
             )
             # pull_subscribe creates the durable consumer once and binds to it after a restart.
-            sub = await self.js.pull_subscribe(subjects[0], durable=name, stream=self.stream_name(family), config=config)
-            consumers.append(JetStreamConsumer(self, durable, sub, options))
+            sub = await self.js.pull_subscribe(single or subjects[0], durable=name, stream=self.stream_name(family),
+                                               config=config)
+            types = frozenset(t for t in event_types if t.split(".", 1)[0] == family)
+            consumers.append(JetStreamConsumer(self, durable, sub, options, types=types))
         return consumers
+
+    @property
+    def supports_multi_filter(self) -> bool:
+        """Whether the server honours a consumer's `filter_subjects` (added in NATS 2.10)."""
+        version = self.nc.connected_server_version
+        return (version.major, version.minor) >= (2, 10)
 
     async def dead_letter(self, consumer: str, msg: Msg, reason: str) -> None:
         deliveries = str(msg.metadata.num_delivered) if msg.reply else "0"
@@ -351,11 +371,21 @@ class _PendingAcks:
 class JetStreamConsumer:
     """Fetch → parse → handle → ack. Malformed events and exhausted redeliveries go to the dead-letter subject."""
 
-    def __init__(self, bus: Bus, name: str, sub: JetStreamContext.PullSubscription, options: ConsumerOptions) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        name: str,
+        sub: JetStreamContext.PullSubscription,
+        options: ConsumerOptions,
+        *,
+        types: frozenset[str] | None = None,
+    ) -> None:
         self.bus = bus
         self.name = name
         self.sub = sub
         self.options = options
+        self.types = types  # None: every type the subscription delivers
+        self.skipped_types = 0
 
     async def run(self, handler: Handler, stop: asyncio.Event) -> None:
         try:
@@ -392,6 +422,10 @@ class JetStreamConsumer:
         except EventError as exc:
             await self.bus.dead_letter(self.name, msg, f"malformed event: {exc}")
             await msg.term()
+            return
+        if self.types is not None and event.type not in self.types:
+            self.skipped_types += 1  # a family wildcard on a server without multi-subject filters
+            await msg.ack()
             return
         try:
             await handler(event, msg)

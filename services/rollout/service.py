@@ -85,6 +85,7 @@ class RolloutWorkerService(Service):
         latest = await self.store.read_all(types=["weights.published"], run_id=self.settings.run_id)
         if latest:
             await self._load(latest[-1].event)
+        self.log.info("engine_warmed_up", seconds=round(await self.engine.warm_up(), 3))
         self.server = await WorkerServer(self.worker, self.bus, heartbeat_s=r.heartbeat_s).start()
         # Every worker must see every publication: one durable consumer per worker.
         self.on(["weights.published", "cell.draining"], self.handle, durable=f"rollout-worker-{self.worker.worker_id}")

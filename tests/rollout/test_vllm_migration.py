@@ -35,6 +35,7 @@ async def engines(model_dir, tmp_path_factory):
     kv = tmp_path_factory.mktemp("kv")
     a = VllmEngine.start(VllmConfig(model=model_dir, max_model_len=2048, kv_storage=kv))
     b = VllmEngine.start(VllmConfig(model=model_dir, max_model_len=2048, kv_storage=kv))
+    await b.warm_up()  # as a rollout worker does before it reports ready: the migration must not mind
     yield a, b
     await a.close()
     await b.close()
@@ -96,3 +97,9 @@ async def test_live_session_moves_to_another_worker_with_its_kv_and_continues_id
     recorded = CallTokens.decode(stack.recorder.blobs[calls[-1].record.digest])
     assert [int(t) for t in recorded.completion] == expected.token_ids  # greedy: what A would have produced
     assert stack.core.router.worker_of("m-1") == "w1"
+
+
+async def test_warm_up_serves_one_request_and_leaves_no_kv_behind(engines) -> None:
+    a, _ = engines
+    assert await a.warm_up() > 0
+    assert a.kv_bytes(list(range(1, 17))) == 0

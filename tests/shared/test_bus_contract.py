@@ -111,6 +111,38 @@ async def test_consumer_filters_by_type_across_families(nbus: Bus):
     assert sorted(got) == ["cell.assigned", "execution.scored"]
 
 
+@pytest.mark.parametrize("server_filters_several", [True, False], ids=["server-filters", "family-wildcard"])
+async def test_consumer_of_several_types_of_one_family_gets_only_those(
+    nbus: Bus, server_filters_several: bool, monkeypatch: pytest.MonkeyPatch
+):
+    """NATS before 2.10 ignores `filter_subjects`; the consumer must still hand over only its own types
+    (the gateway revoked executions' tokens on `execution.started` when it did not)."""
+    from datetime import UTC, datetime
+
+    from shared.events import CellReady, CellReleased, new_event
+
+    if not server_filters_several:
+        monkeypatch.setattr(Bus, "supports_multi_filter", property(lambda self: False))
+    elif not nbus.supports_multi_filter:
+        pytest.skip("this server cannot filter on several subjects")
+
+    def event(data, version: int) -> Event:
+        return new_event(data, run_id="r", stream_id="cell-a", version=version, occurred_at=datetime.now(UTC))
+
+    published = [
+        assigned("cell-a", 1),
+        event(CellReady(cell_id="a", role="rollout", switch_seconds=1.0), 2),
+        event(CellReleased(cell_id="a", from_role="rollout", migrated_sessions=0, seconds=1.0), 3),
+        event(CellReady(cell_id="a", role="train", switch_seconds=1.0), 4),
+        assigned("cell-a", 5),
+    ]
+    for e in published:
+        await nbus.publish(e)
+    got = await receive(nbus, "two-types", ["cell.assigned", "cell.released"], 3)
+    await asyncio.sleep(0.3)  # nothing else may follow
+    assert [e.event_id for e in got] == [published[i].event_id for i in (0, 2, 4)]
+
+
 async def test_unacked_message_is_redelivered(nbus: Bus):
     await nbus.publish(assigned())
     deliveries: list[int] = []
