@@ -189,7 +189,7 @@ class RunLog:
         choice must not depend on their order (a redelivery can swap them): an agent's own end beats a crash
         mark, then the one reporting more calls, then "timed_out" over "finished"."""
         rank = (not crash, calls, how == "timed_out")
-        if s.ended is not None and s._end_rank is not None and s._end_rank >= rank:
+        if s._end_rank is not None and s._end_rank >= rank:
             return
         s.ended, s.ended_calls, s._end_rank = how, calls, rank
 
