@@ -227,11 +227,12 @@ class Bus:
         options = options or ConsumerOptions()
         by_family: dict[str, list[str]] = {}
         for t in event_types:
-            by_family.setdefault(t.split(".", 1)[0], []).append(self.subject(t))
+            by_family.setdefault(t.split(".", 1)[0], []).append(t)
         multi = self.supports_multi_filter
         consumers = []
-        for family, subjects in sorted(by_family.items()):
+        for family, types in sorted(by_family.items()):
             name = f"{durable}-{family}"
+            subjects = [self.subject(t) for t in types]
             if len(subjects) == 1:
                 single, several = subjects[0], None
             elif multi:
@@ -252,8 +253,7 @@ class Bus:
             # pull_subscribe creates the durable consumer once and binds to it after a restart.
             sub = await self.js.pull_subscribe(single or subjects[0], durable=name, stream=self.stream_name(family),
                                                config=config)
-            types = frozenset(t for t in event_types if t.split(".", 1)[0] == family)
-            consumers.append(JetStreamConsumer(self, durable, sub, options, types=types))
+            consumers.append(JetStreamConsumer(self, durable, sub, options, types=frozenset(types)))
         return consumers
 
     @property
