@@ -15,6 +15,9 @@ import numpy as np
 from shared.tokens import decode_arrays, encode_arrays
 
 CALL_RECORD_MEDIA_TYPE = "application/x-gyre-call-record"
+# Response header by which the gateway tells a client the index its call was recorded under. An agent that
+# numbers its calls by it stays aligned with the log even when a reply was lost and the request re-sent.
+CALL_INDEX_HEADER = "x-gyre-call-index"
 
 
 class CallRecordError(Exception):

@@ -34,6 +34,14 @@ from services.harness.agent_core import (
     validate_reply,
 )
 from services.harness.sandbox import ExecResult
+from shared.calls import CALL_INDEX_HEADER
+
+
+def _call_index(value: str | None) -> int | None:
+    """The gateway's call-index header as a number; absent or malformed reads as absent."""
+    if value is None or not value.strip().isdigit():
+        return None
+    return int(value)
 
 
 class CommandRunner(Protocol):
@@ -217,9 +225,12 @@ class AgentLoop:
         if self.config.seed is not None:
             # Distinct per call, so re-samples (retries) differ while the whole run stays reproducible.
             kwargs["extra_body"] = {"seed": self.config.seed * 100_003 + self.calls}
-        response = self._create_within_budget(kwargs)
-        index = self.calls
-        self.calls += 1
+        response, recorded_as = self._create_within_budget(kwargs)
+        # The gateway names the index it recorded the call under: after a reply lost on the way back and a
+        # re-sent request, the log holds one call more than this loop saw, and numbering by the log keeps the
+        # branch events and the end event's call count aligned with it. Other endpoints send no such header.
+        index = recorded_as if recorded_as is not None and recorded_as >= self.calls else self.calls
+        self.calls = index + 1
         usage = response.usage.model_dump() if response.usage is not None else None
         content = [block.model_dump() for block in response.content]
         chain.last_usage = usage
@@ -242,8 +253,10 @@ class AgentLoop:
         )
         return index, response
 
-    def _create_within_budget(self, kwargs: dict[str, Any]) -> Any:
-        """Transient errors are retried here rather than in the SDK, so no retry outlives the deadline."""
+    def _create_within_budget(self, kwargs: dict[str, Any]) -> tuple[Any, int | None]:
+        """The reply and the call index the gateway recorded it under (None when not sent).
+
+        Transient errors are retried here rather than in the SDK, so no retry outlives the deadline."""
         client = self.client.with_options(max_retries=0)
         attempt = 0
         while True:
@@ -253,7 +266,8 @@ class AgentLoop:
                     raise _Stop("timed_out", "wall-clock budget spent during a model call")
                 kwargs["timeout"] = remaining
             try:
-                return client.messages.create(**kwargs)
+                raw = client.messages.with_raw_response.create(**kwargs)
+                return raw.parse(), _call_index(raw.headers.get(CALL_INDEX_HEADER))
             except (anthropic.APIConnectionError, anthropic.RateLimitError, anthropic.InternalServerError) as exc:
                 left = self._remaining()
                 if left is not None and left <= 0:

@@ -55,6 +55,7 @@ class Completion:
     policy_version: int
     logprobs: tuple[float, ...] = ()
     token_texts: tuple[str, ...] = ()
+    call_index: int | None = None  # the index the call was recorded under in its execution's log
 
 
 def _text_of(content: Any, where: str) -> str:

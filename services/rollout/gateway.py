@@ -27,6 +27,7 @@ from services.rollout.protocol import SamplingSpec
 from services.rollout.recording import Api, CallRecorder, CompletedCall, RecordingFailed
 from services.rollout.router import NoCapacity, Router, WorkerFailed
 from services.rollout.tito import TitoState
+from shared.calls import CALL_INDEX_HEADER
 from shared.logging import get_logger
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -137,7 +138,7 @@ class GatewayCore:
                 latency_s=time.perf_counter() - started,
             )
             try:
-                await self.recorder.record(call)
+                recorded = await self.recorder.record(call)
             except RecordingFailed as exc:
                 self.log.error("recording_failed", execution_id=execution_id, error=str(exc))
                 raise ApiError("api_error", f"the call could not be recorded, so it is not returned: {exc}") from exc
@@ -158,6 +159,7 @@ class GatewayCore:
             policy_version=reply.policy_version,
             logprobs=tuple(reply.logprobs),
             token_texts=tuple(self.codec.token_texts(reply.completion)),
+            call_index=recorded.placement.call_index,
         )
 
 
@@ -211,9 +213,12 @@ def create_app(
             raise ApiError("authentication_error", "invalid x-api-key or bearer token: it names no live execution")
         return execution_id
 
-    def stream(events: Iterator[bytes]) -> StreamingResponse:
+    def call_headers(result: Completion) -> dict[str, str]:
+        return {} if result.call_index is None else {CALL_INDEX_HEADER: str(result.call_index)}
+
+    def stream(events: Iterator[bytes], result: Completion) -> StreamingResponse:
         return StreamingResponse(
-            events, media_type="text/event-stream", headers={"cache-control": "no-cache"}
+            events, media_type="text/event-stream", headers={"cache-control": "no-cache", **call_headers(result)}
         )
 
     @app.post("/v1/messages")
@@ -230,8 +235,10 @@ def create_app(
             log.exception("messages_failed")
             return anthropic_error(ApiError("api_error", f"{type(exc).__name__}: {exc}"))
         if parsed.stream:
-            return stream(anthropic_api.sse_events(result))
-        return JSONResponse(anthropic_api.message(result), headers={"request-id": f"req_{result.call_id}"})
+            return stream(anthropic_api.sse_events(result), result)
+        return JSONResponse(
+            anthropic_api.message(result), headers={"request-id": f"req_{result.call_id}", **call_headers(result)}
+        )
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
@@ -259,8 +266,9 @@ def create_app(
         created = int(core.clock())
         if parsed.stream:
             return stream(openai_api.sse_chunks(result, created=created,
-                                                include_usage=openai_api.wants_usage_chunk(body)))
-        return JSONResponse(openai_api.completion(result, created=created, logprobs=openai_api.wants_logprobs(body)))
+                                                include_usage=openai_api.wants_usage_chunk(body)), result)
+        return JSONResponse(openai_api.completion(result, created=created, logprobs=openai_api.wants_logprobs(body)),
+                            headers=call_headers(result))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

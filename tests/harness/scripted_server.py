@@ -17,6 +17,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from shared.calls import CALL_INDEX_HEADER
+
 Reply = dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
 
 
@@ -32,6 +34,11 @@ def tool(name: str, tool_input: dict[str, Any], *, text_before: str = "", **usag
 
 def failure(status: int = 500) -> dict[str, Any]:
     return {"error_status": status, "content": []}
+
+
+def lost() -> dict[str, Any]:
+    """A call the server counts (as the gateway records it) whose reply never reaches the client: a 500."""
+    return {"error_status": 500, "content": [], "counted": True}
 
 
 def slow(reply: dict[str, Any], delay_s: float) -> dict[str, Any]:
@@ -70,8 +77,13 @@ def _sse(message: dict[str, Any]) -> Iterator[str]:
 class ScriptedAnthropicServer:
     """Serves scripted replies on POST /v1/messages; `requests` holds what each call sent."""
 
-    def __init__(self, script: list[Reply], *, token: str | None = None, model: str = "scripted-model") -> None:
+    def __init__(
+        self, script: list[Reply], *, token: str | None = None, model: str = "scripted-model", call_index_header: bool = False
+    ) -> None:
         self.script = list(script)
+        # Like the gateway: every answered (or `lost`) call gets the next index, sent in CALL_INDEX_HEADER.
+        self.call_index_header = call_index_header
+        self.counted = 0
         self.token = token
         self.model = model
         self.requests: list[dict[str, Any]] = []
@@ -108,6 +120,10 @@ class ScriptedAnthropicServer:
             reply = step(body) if callable(step) else step
             if "delay_s" in reply:
                 await asyncio.sleep(float(reply["delay_s"]))
+            index = self.counted
+            if "counted" in reply or "error_status" not in reply:
+                self.counted += 1
+            extra = {CALL_INDEX_HEADER: str(index)} if self.call_index_header else {}
             if "error_status" in reply:
                 return JSONResponse(
                     {"type": "error", "error": {"type": "api_error", "message": "scripted failure"}},
@@ -129,8 +145,8 @@ class ScriptedAnthropicServer:
                 "usage": usage,
             }
             if body.get("stream"):
-                return StreamingResponse(_sse(message), media_type="text/event-stream")
-            return JSONResponse(message)
+                return StreamingResponse(_sse(message), media_type="text/event-stream", headers=extra)
+            return JSONResponse(message, headers=extra)
 
         return app
 

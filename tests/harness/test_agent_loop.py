@@ -15,7 +15,7 @@ from services.harness.external import GatewayAccess
 from services.harness.sandbox import ProcessSandbox, SandboxSpec
 from services.harness.tasks import load_task
 
-from .scripted_server import ScriptedAnthropicServer, failure, shell, slow, submit, text, tool
+from .scripted_server import ScriptedAnthropicServer, failure, lost, shell, slow, submit, text, tool
 
 TOKEN = "exec-secret-token"
 
@@ -39,9 +39,11 @@ def box(tmp_path: Path, best_backend: str) -> Iterator[ProcessSandbox]:
     sandbox.close(remove=True)
 
 
-def run_loop(script: list[Any], box: ProcessSandbox, *, budget: Budget | None = None, **config: Any) -> tuple[Any, ScriptedAnthropicServer, RecordingSink]:
+def run_loop(
+    script: list[Any], box: ProcessSandbox, *, budget: Budget | None = None, call_index_header: bool = False, **config: Any
+) -> tuple[Any, ScriptedAnthropicServer, RecordingSink]:
     sink = RecordingSink()
-    with ScriptedAnthropicServer(script, token=TOKEN) as server:
+    with ScriptedAnthropicServer(script, token=TOKEN, call_index_header=call_index_header) as server:
         loop = AgentLoop.for_gateway(server.base_url, TOKEN, AgentConfig(**{"model": "tiny", "sdk_max_retries": 0, **config}), box, sink=sink)
         outcome = loop.run("Write hi to out.txt", budget)
     return outcome, server, sink
@@ -59,6 +61,23 @@ def test_shell_then_submit_runs_in_the_sandbox_and_extends_one_context(box: Proc
     assert {t["name"] for t in first["tools"]} == {"shell", "delegate", "submit"}
     assert all(h["authorization"] == f"Bearer {TOKEN}" for h in server.headers)
     assert outcome.branches == () and sink.branches == []
+
+
+def test_calls_are_numbered_by_the_gateway_when_a_reply_was_lost(box: ProcessSandbox) -> None:
+    """The gateway recorded call 0 but its reply never arrived; the re-sent request is call 1 in the log.
+    The loop numbers its calls, its branch events and its call count by the log, not by what it saw."""
+    script = [lost(), tool("bash", {"command": "ls"}), shell("echo ok > out.txt"), submit()]
+    outcome, server, sink = run_loop(script, box, call_index_header=True, sdk_max_retries=1)
+    assert outcome.status == "submitted" and len(server.requests) == 4 and server.counted == 4
+    assert [(c.index, c.purpose) for c in outcome.call_log] == [(1, "turn"), (2, "retry"), (3, "turn")]
+    assert outcome.calls == 4  # what the log holds, so the end event leaves none of them out
+    assert sink.branches == [Branch(kind="retry", at_call_index=2, from_call_index=1, chain="main", reason=outcome.call_log[0].malformed)]
+
+
+def test_without_the_header_calls_are_numbered_as_seen(box: ProcessSandbox) -> None:
+    outcome, _, _ = run_loop([failure(500), shell("echo ok > out.txt"), submit()], box, sdk_max_retries=1)
+    assert outcome.status == "submitted"
+    assert [c.index for c in outcome.call_log] == [0, 1] and outcome.calls == 2
 
 
 def test_failed_command_reports_exit_code_and_stderr(box: ProcessSandbox) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 import openai
 import pytest
 
-from shared.calls import CallTokens, ExecutionSequences, CallRecord
+from shared.calls import CALL_INDEX_HEADER, CallTokens, ExecutionSequences, CallRecord
 from shared.events import ExecutionBranched
 from tests.rollout.fakes import CharCodec, ScriptedEngine, build_stack, tool_call_text
 
@@ -79,6 +79,29 @@ async def test_streaming_follows_the_standard_event_sequence(stack) -> None:
     assert final.content[1].type == "tool_use" and final.content[1].input["command"].startswith("echo ")
     assert final.stop_reason == "tool_use"
     assert len(stack.recorder.calls("exec-s")) == 1
+
+
+async def test_every_answer_names_the_index_its_call_was_recorded_under(stack) -> None:
+    """Anthropic and OpenAI, plain and streamed: the header matches the log's call index, call by call."""
+    token = stack.registry.register("exec-ix")
+    user = [{"role": "user", "content": "hi"}]
+    body = {"model": "tiny", "max_tokens": 200, "messages": user, "tools": [BASH]}
+    headers = {"x-api-key": token}
+    seen = []
+    async with stack.http() as http:
+        for stream in (False, True):
+            r = await http.post("/v1/messages", json={**body, "stream": stream}, headers=headers)
+            assert r.status_code == 200
+            seen.append(r.headers[CALL_INDEX_HEADER])
+            r = await http.post("/v1/chat/completions", headers={"authorization": f"Bearer {token}"},
+                                json={"model": "tiny", "max_tokens": 200, "messages": user, "stream": stream})
+            assert r.status_code == 200
+            seen.append(r.headers[CALL_INDEX_HEADER])
+        # A refused call was not recorded and names no index.
+        r = await http.post("/v1/messages", json={"model": "tiny", "messages": user}, headers=headers)
+        assert r.status_code == 400 and CALL_INDEX_HEADER not in r.headers
+    assert seen == ["0", "1", "2", "3"]
+    assert [c.call_index for c in stack.recorder.calls("exec-ix")] == [0, 1, 2, 3]
 
 
 async def test_twenty_tool_rounds_stay_on_one_path(stack) -> None:
