@@ -10,7 +10,15 @@ import uuid
 from datetime import datetime
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 
 class EventError(Exception):
@@ -230,6 +238,18 @@ class ExecutionScored(EventData):
     tests_passed: int = Field(ge=0)
     tests_total: int = Field(ge=0)
     timed_out: bool = False
+    # Set (to the reason) when infrastructure, not the policy, ended the execution: the model API refused it
+    # after retries, its sandbox or harness failed, or nothing of it was left to grade. The reward then says
+    # nothing about the policy, so the trajectory service leaves the execution out of its group and batch.
+    infra_failure: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_failure(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Written only when set: events from before the field existed export byte-identically.
+        data: dict[str, Any] = handler(self)
+        if data.get("infra_failure") is None:
+            data.pop("infra_failure", None)
+        return data
 
 
 # ---- training --------------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ class RunReport:
     reward_tail: float | None = None
     executions: int = 0
     timed_out: int = 0
+    infra_failures: int = 0  # executions infrastructure ended: not trained, not in the reward curve
     branches: dict[str, int] = field(default_factory=dict)
     unique_tokens: int = 0
     flat_tokens: int = 0
@@ -77,9 +78,12 @@ def build_report(run_id: str, events: Sequence[Event]) -> RunReport:
         if isinstance(data, ExecutionStarted):
             step_of[data.execution_id] = data.step
         elif isinstance(data, ExecutionScored):
-            rewards[step_of.get(data.execution_id, 0)].append(data.reward)
             report.executions += 1
             report.timed_out += int(data.timed_out)
+            if data.infra_failure is not None:
+                report.infra_failures += 1
+            else:
+                rewards[step_of.get(data.execution_id, 0)].append(data.reward)
         elif isinstance(data, ExecutionBranched):
             branches[data.kind] += 1
         elif isinstance(data, BatchReady):
@@ -188,7 +192,9 @@ def write_report(report: RunReport, out_dir: Path) -> list[Path]:
 
 def summary_lines(report: RunReport) -> list[str]:
     lines = [f"run {report.run_id}: {len(report.steps)} steps, {report.executions} executions "
-             f"({report.timed_out} timed out) in {report.wall_s or 0:.0f} s"]
+             f"({report.timed_out} timed out"
+             + (f", {report.infra_failures} ended by infrastructure" if report.infra_failures else "")
+             + f") in {report.wall_s or 0:.0f} s"]
     if report.reward_gain is not None:
         lines.append(f"mean reward {report.reward_first:.3f} → {report.reward_last:.3f} ({report.reward_gain:+.3f})")
         lines.append(

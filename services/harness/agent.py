@@ -44,6 +44,16 @@ def _call_index(value: str | None) -> int | None:
     return int(value)
 
 
+# Statuses with which an API refuses the request itself (malformed, a prompt past the context, too large):
+# the agent's own doing, so the execution is a policy outcome. Every other API error (unreachable, 401 for a
+# revoked token, 429 or 5xx after the retries) is the infrastructure's.
+_OWN_REQUEST_STATUSES = frozenset({400, 413, 422})
+
+
+def _own_request_refused(exc: anthropic.APIError) -> bool:
+    return isinstance(exc, anthropic.APIStatusError) and exc.status_code in _OWN_REQUEST_STATUSES
+
+
 class CommandRunner(Protocol):
     """Where the shell tool runs: a sandbox (ProcessSandbox.exec fits)."""
 
@@ -101,6 +111,7 @@ class AgentOutcome(BaseModel):
     branches: tuple[Branch, ...] = ()
     call_log: tuple[CallRecord, ...] = ()
     error: str | None = None
+    infra_failure: bool = False  # the error came from the model API's side, not from the agent's own request
 
     @property
     def budget_ran_out(self) -> bool:
@@ -174,12 +185,14 @@ class AgentLoop:
         status: AgentStatus
         answer: str | None = None
         error: str | None = None
+        infra_failure = False
         try:
             status, answer = self._run_chain(main)
         except _Stop as stop:
             status, error = stop.status, str(stop)
         except anthropic.APIError as exc:
             status, error = "error", f"{type(exc).__name__}: {exc}"
+            infra_failure = not _own_request_refused(exc)
         return AgentOutcome(
             status=status,
             answer=answer,
@@ -188,6 +201,7 @@ class AgentLoop:
             branches=tuple(self.branches),
             call_log=tuple(self.call_log),
             error=error,
+            infra_failure=infra_failure,
         )
 
     # --- budgets ------------------------------------------------------------------------------------------

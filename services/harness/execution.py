@@ -45,6 +45,7 @@ class AgentStopped(BaseModel):
     budget: TimeoutBudget | None = None
     elapsed_s: float
     calls: int | None  # answered model calls; None where the harness cannot count them (an external agent)
+    infra_failure: bool = False  # the model API failed the agent (see AgentOutcome.infra_failure)
 
 
 class ExecutionObserver(Protocol):
@@ -135,7 +136,8 @@ def _agent_stopped(outcome: AgentOutcome) -> AgentStopped:
         case "calls_exhausted":
             return AgentStopped(status="timed_out", stop_reason=outcome.error or "call budget spent", budget="calls", elapsed_s=outcome.elapsed_s, calls=outcome.calls)
         case "error":
-            return AgentStopped(status="error", stop_reason=outcome.error or "error", elapsed_s=outcome.elapsed_s, calls=outcome.calls)
+            return AgentStopped(status="error", stop_reason=outcome.error or "error", elapsed_s=outcome.elapsed_s,
+                                calls=outcome.calls, infra_failure=outcome.infra_failure)
         case "submitted" | "ended":
             return AgentStopped(status="finished", stop_reason=outcome.status, elapsed_s=outcome.elapsed_s, calls=outcome.calls)
         case other:

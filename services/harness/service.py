@@ -211,10 +211,12 @@ class HarnessService(Service):
                     execution_id=execution_id, query_id=started.query_id, reward=grade.score,
                     tests_passed=grade.passed, tests_total=len(grade.tests),
                     timed_out=result.stopped.status == "timed_out",
+                    infra_failure=result.stopped.stop_reason if result.stopped.infra_failure else None,
                 ),
                 stream, cause,
             )
-            log.info("execution_scored", reward=grade.score, status=result.stopped.status)
+            log.info("execution_scored", reward=grade.score, status=result.stopped.status,
+                     infra_failure=result.stopped.stop_reason if result.stopped.infra_failure else None)
 
     async def recorded_calls(self, execution_id: str) -> int:
         """How many of an execution's calls the log holds, counted from call 0 without a gap: the count an end
@@ -235,7 +237,7 @@ class HarnessService(Service):
     def _zero_score(self, started: ExecutionStarted, reason: str) -> ExecutionScored:
         self.log.warning("execution_scored_zero", execution_id=started.execution_id, reason=reason)
         return ExecutionScored(execution_id=started.execution_id, query_id=started.query_id, reward=0.0,
-                               tests_passed=0, tests_total=0, timed_out=True)
+                               tests_passed=0, tests_total=0, timed_out=True, infra_failure=reason or "unknown")
 
     async def _emit(self, data: EventData, stream: str, cause: Event | None) -> None:
         await self.emit([self.event(data, stream_id=stream, cause=cause)], expected_version="any")

@@ -179,7 +179,7 @@ def replay(events: Sequence[Event], get_blob: BlobGetter, selection: Selection =
     rewards = [
         ExecutionReward(s.execution_id, s.query_id, s.reward, s.timed_out)
         for s in log.executions.values()
-        if s.reward is not None and s.query_id in complete_groups
+        if s.reward is not None and s.query_id in complete_groups and s.infra_failure is None
     ]
     advantages = compute_advantages(rewards).by_execution() if rewards else {}
     replays = []

@@ -63,6 +63,7 @@ class ExecutionState:
     ended_calls: int | None = None
     reward: float | None = None
     scored_timed_out: bool = False
+    infra_failure: str | None = None  # why infrastructure ended it; such an execution is not trained on
     _end_rank: tuple[bool, int, bool] | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -178,6 +179,7 @@ class RunLog:
                 s = self._execution(d.execution_id, event.run_id)
                 s.reward = d.reward
                 s.scored_timed_out = s.scored_timed_out or d.timed_out
+                s.infra_failure = d.infra_failure
             case BatchReady():
                 self.batches.setdefault(d.step, event)
             case _:
@@ -311,14 +313,20 @@ def assemble_step_batch(
     """The batch of one step: every execution of the step's queries, capped, with advantages, packed.
 
     Executions with a target generated more than `max_staleness` versions behind the step are left out of the
-    packing (their rewards still count in their group's advantage normalisation).
+    packing (their rewards still count in their group's advantage normalisation). Executions that
+    infrastructure ended (`infra_failure`) are left out altogether: their reward says nothing about the policy,
+    so they neither train nor move their group's mean; the group is normalised over the rest.
     """
     ids = log.step_execution_ids(step)
     inputs = []
+    infra_failures = 0
     for execution_id in ids:
         state = log.executions[execution_id]
         if state.reward is None or state.query_id is None:
             raise LogError(f"step {step}: execution {execution_id} is not scored yet")
+        if state.infra_failure is not None:
+            infra_failures += 1
+            continue
         tree = trees.get(execution_id) if trees is not None else None
         if tree is None:
             tree = execution_tree(state, get_blob)
@@ -334,6 +342,8 @@ def assemble_step_batch(
         extra_meta={
             "max_staleness": params.max_staleness if params.max_staleness is not None else -1,
             "queries": ",".join(q.query_id for q in log.step_queries(step)),
+            # Only when there were any, so batches of logs written before the flag existed rebuild identically.
+            **({"infra_failures": infra_failures} if infra_failures else {}),
         },
     )
     return batch

@@ -178,7 +178,10 @@ class ExecutionLog:
             )
         )
 
-    def score(self, reward: float, *, tests_passed: int = 0, tests_total: int = 0, timed_out: bool = False) -> Event:
+    def score(
+        self, reward: float, *, tests_passed: int = 0, tests_total: int = 0, timed_out: bool = False,
+        infra_failure: str | None = None,
+    ) -> Event:
         return self._emit(
             ExecutionScored(
                 execution_id=self.execution_id,
@@ -187,5 +190,6 @@ class ExecutionLog:
                 tests_passed=tests_passed,
                 tests_total=tests_total,
                 timed_out=timed_out,
+                infra_failure=infra_failure,
             )
         )

@@ -80,6 +80,15 @@ def test_without_the_header_calls_are_numbered_as_seen(box: ProcessSandbox) -> N
     assert [c.index for c in outcome.call_log] == [0, 1] and outcome.calls == 2
 
 
+@pytest.mark.parametrize(("status", "infra"), [(500, True), (429, True), (401, True), (400, False), (413, False)])
+def test_an_api_error_is_the_infrastructures_unless_the_request_itself_was_refused(
+    box: ProcessSandbox, status: int, infra: bool
+) -> None:
+    outcome, _, _ = run_loop([shell("echo ok > out.txt"), failure(status)], box)
+    assert outcome.status == "error" and outcome.calls == 1
+    assert outcome.infra_failure is infra
+
+
 def test_failed_command_reports_exit_code_and_stderr(box: ProcessSandbox) -> None:
     outcome, server, _ = run_loop([shell("cat missing.txt"), submit()], box)
     result = server.requests[1]["messages"][-1]["content"][0]

@@ -17,7 +17,7 @@ from shared.relay import OutboxRelay
 from shared.runtime import utcnow
 from shared.settings import Settings
 from tests.conftest import Infra, unique
-from tests.harness.scripted_server import ScriptedAnthropicServer, shell, submit
+from tests.harness.scripted_server import ScriptedAnthropicServer, failure, shell, submit
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -83,6 +83,7 @@ async def test_a_dispatched_query_runs_its_group_and_scores_each_execution(store
     scored = {e.data.execution_id: e.data for e in events if e.type == "execution.scored"}
     assert scored[execution_id_for("q1", 0)].reward == 1.0
     assert scored[execution_id_for("q1", 1)].reward < 1.0
+    assert all(s.infra_failure is None for s in scored.values())
     started = [e.data for e in events if e.type == "execution.started"]
     assert [(s.sample_index, s.seed, s.group_size) for s in started] == [(0, 11, 2), (1, 12, 2)]
     assert server.registered == [execution_id_for("q1", 0), execution_id_for("q1", 1)]  # type: ignore[attr-defined]
@@ -128,3 +129,31 @@ async def test_restart_marks_unfinished_executions_timed_out_and_grades_preserve
     scored = {e.data.execution_id: e.data for e in events if e.type == "execution.scored"}
     assert scored[done_id].reward == 1.0 and scored[done_id].timed_out
     assert scored[empty_id].reward == 0.0
+    # Graded preserved work is a policy outcome; an execution the crash left nothing of is not.
+    assert scored[done_id].infra_failure is None
+    assert scored[empty_id].infra_failure is not None and scored[empty_id].infra_failure.startswith("nothing preserved")
+
+
+async def test_a_model_api_that_keeps_failing_ends_the_execution_as_an_infrastructure_failure(store, bus, infra, tmp_path):
+    run_id = unique("run-")
+    server = gateway([failure(500)] * 3)  # the first attempt and both retries
+    svc = service(infra, store, bus, tmp_path, server, run_id)
+    stop = asyncio.Event()
+    relay = OutboxRelay(store, bus, dsn=infra.database_url, idle_wait_s=0.1)
+    relay_task = asyncio.create_task(relay.run(stop))
+    try:
+        await svc.start()
+        dispatch = new_event(
+            QueryDispatched(query_id="qf", task_id="create-file-1", group_size=1, seeds=[5], step=0, policy_version=0),
+            run_id=run_id, stream_id="query-qf", version=1, occurred_at=utcnow(),
+        )
+        await store.append([dispatch])
+        events = await wait_for_types(store, run_id, {"execution.finished": 1, "execution.scored": 1})
+    finally:
+        await svc.stop()
+        stop.set()
+        await relay_task
+        server.stop()
+    (scored,) = [e.data for e in events if e.type == "execution.scored"]
+    assert scored.reward == 0.0 and scored.infra_failure is not None
+    assert scored.infra_failure.startswith("InternalServerError")

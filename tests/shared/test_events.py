@@ -123,3 +123,14 @@ def test_blob_refs_must_be_sha256_digests():
         run_id="r", stream_id="execution-e", version=1, occurred_at=NOW, event_id=uuid.UUID(int=1),
     )
     assert parse_event(event.to_json()).data.record == ref
+
+
+def test_an_infrastructure_failure_round_trips_and_is_written_only_when_set():
+    failed = new_event(
+        ExecutionScored(execution_id="e", query_id="q", reward=0.0, tests_passed=0, tests_total=0,
+                        infra_failure="InternalServerError: engine down"),
+        run_id="r", stream_id="execution-e", version=1, occurred_at=NOW,
+    )
+    assert parse_event(failed.to_json()) == failed
+    plain = scored()
+    assert b"infra_failure" not in plain.to_json() and parse_event(plain.to_json()).data.infra_failure is None

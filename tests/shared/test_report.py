@@ -64,3 +64,15 @@ def test_report_folds_rewards_per_step_and_statistics(tmp_path):
     assert {f.name for f in files} == {"report.json", "training_curve.png", "cell_timeline.png"}
     assert all(f.stat().st_size > 0 for f in files)
     assert "0.500 → 0.875" in "\n".join(summary_lines(report))
+
+
+def test_executions_infrastructure_ended_are_counted_but_kept_out_of_the_reward_curve():
+    events = run_events()
+    events.append(ev(ExecutionStarted(execution_id="ex", query_id="q1", task_id="t", group_size=4, sample_index=4,
+                                      seed=4, step=1), 50))
+    events.append(ev(ExecutionScored(execution_id="ex", query_id="q1", reward=0.0, tests_passed=0, tests_total=2,
+                                     timed_out=True, infra_failure="InternalServerError: engine down"), 51))
+    report = build_report("r", events)
+    assert report.executions == 9 and report.infra_failures == 1
+    assert report.steps[1].mean_reward == 0.875 and report.steps[1].executions == 4
+    assert "1 ended by infrastructure" in summary_lines(report)[0]

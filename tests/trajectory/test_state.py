@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 
-from services.trajectory.state import RunLog, execution_tree
+from services.trajectory.state import BatchParams, RunLog, assemble_step_batch, execution_tree
 from services.trajectory.synthetic import ExecutionLog
 from shared.events import ExecutionTimedOut
 
@@ -81,3 +81,32 @@ def test_an_end_reporting_fewer_calls_than_the_log_holds_waits_for_none_and_keep
     run.apply_all(log.events)
     s = run.executions["short"]
     assert s.complete and s.late_calls == [1] and s.missing_calls() == []
+
+
+def group_with_an_infra_failure(flag: bool) -> tuple[RunLog, dict[str, bytes]]:
+    """Three samples of one query: one solved it, one did not, one lost its model API (scored 0 on nothing)."""
+    run, blobs = RunLog(), {}
+    for i, (reward, failure) in enumerate([(1.0, None), (0.0, None), (0.0, "APIConnectionError: gateway down")]):
+        log = ExecutionLog(f"e{i}", query_id="q", group_size=3, sample_index=i)
+        log.start()
+        log.call([1, 2, 3], [4 + i, 5])
+        log.finish()
+        log.score(reward, infra_failure=failure if flag else None)
+        run.apply_all(log.events)
+        blobs.update(log.blobs)
+    return run, blobs
+
+
+def test_an_execution_infrastructure_ended_is_left_out_of_its_group_and_batch() -> None:
+    params = BatchParams(budget=256, cap_k=4, eps=1e-6, drop_zero_variance=False)
+    run, blobs = group_with_an_infra_failure(True)
+    assert run.executions["e2"].infra_failure == "APIConnectionError: gateway down"
+    batch = assemble_step_batch(run, 0, lambda ref: blobs[ref.digest], params)
+    kept = {e.execution_id: e.advantage for e in batch.executions}
+    assert set(kept) == {"e0", "e1"}
+    assert kept["e0"] > 0.99 and kept["e1"] < -0.99  # normalised over the two that count
+    assert batch.meta["infra_failures"] == 1
+    # Without the flag the failed sample trains as a policy failure and drags the group's mean down.
+    run, blobs = group_with_an_infra_failure(False)
+    batch = assemble_step_batch(run, 0, lambda ref: blobs[ref.digest], params)
+    assert len(batch.executions) == 3 and "infra_failures" not in batch.meta
