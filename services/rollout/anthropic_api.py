@@ -233,11 +233,17 @@ def parse_request(body: Any, *, count_only: bool = False) -> ParsedRequest:
     top_k = body.get("top_k") or 0
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
         raise invalid(f"top_k: expected a non-negative integer, got {top_k!r}")
+    # Not in the Messages API: a Gyre extension (the built-in agent sends one per call) that makes the
+    # engine's sampling reproducible, as OpenAI's `seed` does on the other endpoint.
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+        raise invalid(f"seed: expected an integer in [0, 2^63), got {seed!r}")
     sampling = SamplingRequest(
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
         top_k=top_k,
+        seed=seed,
         stop=tuple(stop),
         forced_tools=_forced_tools(body.get("tool_choice"), conversation),
     )

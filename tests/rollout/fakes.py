@@ -83,6 +83,7 @@ class ScriptedEngine:
         self.script = script or (lambda prompt: f"reply {len(prompt)}")
         self.max_model_len = max_model_len
         self.prompts: list[list[int]] = []
+        self.samplings: list[SamplingSpec] = []
         self.weights_version = 0
         self.fail_next: BaseException | None = None
 
@@ -97,6 +98,7 @@ class ScriptedEngine:
                 n += 1
             cached = max(cached, n // self.block_size * self.block_size)
         self.prompts.append(list(prompt))
+        self.samplings.append(sampling)
         text = self.script(prompt)
         if self.weights_version:
             text = f"[v{self.weights_version}] {text}"

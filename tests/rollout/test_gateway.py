@@ -104,6 +104,17 @@ async def test_every_answer_names_the_index_its_call_was_recorded_under(stack) -
     assert [c.call_index for c in stack.recorder.calls("exec-ix")] == [0, 1, 2, 3]
 
 
+async def test_a_seed_in_an_anthropic_request_reaches_the_engine(stack) -> None:
+    client = stack.anthropic(stack.registry.register("exec-seed"))
+    user = [{"role": "user", "content": "hi"}]
+    await client.messages.create(model="tiny", max_tokens=50, messages=user, extra_body={"seed": 1_200_036})
+    await client.messages.create(model="tiny", max_tokens=50, messages=user)
+    assert [s.seed for s in stack.engines[0].samplings] == [1_200_036, None]
+    for bad in (-1, 2**63, "7", True):
+        with pytest.raises(anthropic.BadRequestError, match="seed"):
+            await client.messages.create(model="tiny", max_tokens=50, messages=user, extra_body={"seed": bad})
+
+
 async def test_twenty_tool_rounds_stay_on_one_path(stack) -> None:
     token = stack.registry.register("exec-20")
     client = stack.anthropic(token)

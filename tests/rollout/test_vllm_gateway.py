@@ -76,6 +76,18 @@ async def test_plain_and_streamed_calls_record_the_engines_tokens_and_logprobs(s
     assert final.content[0].text == msg.content[0].text  # greedy: the same reply
 
 
+async def test_the_same_seed_samples_the_same_reply(stack) -> None:
+    # Re-samples of one prompt in one execution (one worker session: the module's engine has few slots).
+    client = stack.anthropic(stack.registry.register("v-seed"))
+    user = [{"role": "user", "content": "Name three colours."}]
+    for seed in (42, 42, 43):
+        await client.messages.create(model="tiny", max_tokens=24, messages=user,
+                                     extra_body={"temperature": 1.0, "seed": seed})
+    replies = [[int(t) for t in _blob(stack, call).completion] for call in stack.recorder.calls("v-seed")]
+    assert replies[0] == replies[1]
+    assert replies[0] != replies[2]  # the seed is what fixed it (a random tiny model samples freely at 1.0)
+
+
 async def test_twenty_tool_rounds_stay_on_one_path(stack) -> None:
     client = stack.anthropic(stack.registry.register("v-tools"))
     system = [{"type": "text", "text": "You are a shell agent.", "cache_control": {"type": "ephemeral"}}]
