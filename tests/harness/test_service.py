@@ -60,26 +60,33 @@ async def wait_for_types(store, run_id: str, wanted: dict[str, int], timeout: fl
         await asyncio.sleep(0.2)
 
 
-async def test_a_dispatched_query_runs_its_group_and_scores_each_execution(store, bus, infra: Infra, tmp_path):
+async def dispatch_and_wait(
+    store, bus, infra: Infra, tmp_path: Path, server: ScriptedAnthropicServer, query: QueryDispatched,
+    wanted: dict[str, int],
+) -> list:
+    """Run the harness service (and a relay) on one dispatched query until the wanted events are in the log."""
     run_id = unique("run-")
-    server = gateway([shell("printf 'hello world\\n' > /app/hello.txt"), submit(), submit()])
     svc = service(infra, store, bus, tmp_path, server, run_id)
     stop = asyncio.Event()
     relay = OutboxRelay(store, bus, dsn=infra.database_url, idle_wait_s=0.1)
     relay_task = asyncio.create_task(relay.run(stop))
     try:
         await svc.start()
-        dispatch = new_event(
-            QueryDispatched(query_id="q1", task_id="create-file-1", group_size=2, seeds=[11, 12], step=0, policy_version=0),
-            run_id=run_id, stream_id="query-q1", version=1, occurred_at=utcnow(),
-        )
+        dispatch = new_event(query, run_id=run_id, stream_id=f"query-{query.query_id}", version=1, occurred_at=utcnow())
         await store.append([dispatch])
-        events = await wait_for_types(store, run_id, {"execution.started": 2, "execution.finished": 2, "execution.scored": 2})
+        return await wait_for_types(store, run_id, wanted)
     finally:
         await svc.stop()
         stop.set()
         await relay_task
         server.stop()
+
+
+async def test_a_dispatched_query_runs_its_group_and_scores_each_execution(store, bus, infra: Infra, tmp_path):
+    server = gateway([shell("printf 'hello world\\n' > /app/hello.txt"), submit(), submit()])
+    query = QueryDispatched(query_id="q1", task_id="create-file-1", group_size=2, seeds=[11, 12], step=0, policy_version=0)
+    events = await dispatch_and_wait(store, bus, infra, tmp_path, server, query,
+                                     {"execution.started": 2, "execution.finished": 2, "execution.scored": 2})
     scored = {e.data.execution_id: e.data for e in events if e.type == "execution.scored"}
     assert scored[execution_id_for("q1", 0)].reward == 1.0
     assert scored[execution_id_for("q1", 1)].reward < 1.0
@@ -135,25 +142,10 @@ async def test_restart_marks_unfinished_executions_timed_out_and_grades_preserve
 
 
 async def test_a_model_api_that_keeps_failing_ends_the_execution_as_an_infrastructure_failure(store, bus, infra, tmp_path):
-    run_id = unique("run-")
     server = gateway([failure(500)] * 3)  # the first attempt and both retries
-    svc = service(infra, store, bus, tmp_path, server, run_id)
-    stop = asyncio.Event()
-    relay = OutboxRelay(store, bus, dsn=infra.database_url, idle_wait_s=0.1)
-    relay_task = asyncio.create_task(relay.run(stop))
-    try:
-        await svc.start()
-        dispatch = new_event(
-            QueryDispatched(query_id="qf", task_id="create-file-1", group_size=1, seeds=[5], step=0, policy_version=0),
-            run_id=run_id, stream_id="query-qf", version=1, occurred_at=utcnow(),
-        )
-        await store.append([dispatch])
-        events = await wait_for_types(store, run_id, {"execution.finished": 1, "execution.scored": 1})
-    finally:
-        await svc.stop()
-        stop.set()
-        await relay_task
-        server.stop()
+    query = QueryDispatched(query_id="qf", task_id="create-file-1", group_size=1, seeds=[5], step=0, policy_version=0)
+    events = await dispatch_and_wait(store, bus, infra, tmp_path, server, query,
+                                     {"execution.finished": 1, "execution.scored": 1})
     (scored,) = [e.data for e in events if e.type == "execution.scored"]
     assert scored.reward == 0.0 and scored.infra_failure is not None
     assert scored.infra_failure.startswith("InternalServerError")
