@@ -206,17 +206,16 @@ class HarnessService(Service):
                 await self._emit(self._zero_score(started, str(exc)), stream, cause)
                 return
             grade = result.grade
+            infra_failure = result.stopped.stop_reason if result.stopped.infra_failure else None
             await self._emit(
                 ExecutionScored(
                     execution_id=execution_id, query_id=started.query_id, reward=grade.score,
                     tests_passed=grade.passed, tests_total=len(grade.tests),
-                    timed_out=result.stopped.status == "timed_out",
-                    infra_failure=result.stopped.stop_reason if result.stopped.infra_failure else None,
+                    timed_out=result.stopped.status == "timed_out", infra_failure=infra_failure,
                 ),
                 stream, cause,
             )
-            log.info("execution_scored", reward=grade.score, status=result.stopped.status,
-                     infra_failure=result.stopped.stop_reason if result.stopped.infra_failure else None)
+            log.info("execution_scored", reward=grade.score, status=result.stopped.status, infra_failure=infra_failure)
 
     async def recorded_calls(self, execution_id: str) -> int:
         """How many of an execution's calls the log holds, counted from call 0 without a gap: the count an end
