@@ -11,7 +11,7 @@ import json
 import random
 import shlex
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +72,7 @@ class DemoInstance(BaseModel):
         return files
 
 
-_FAMILY_FUNCTIONS = {
+_FAMILY_FUNCTIONS: dict[str, Callable[..., taskgen.Files]] = {
     "create-file": taskgen.create_file,
     "sum-numbers": taskgen.sum_numbers,
     "count-matches": taskgen.count_matches,
