@@ -53,12 +53,19 @@ class ExecutionObserver(Protocol):
 
     def agent_stopped(self, stopped: AgentStopped) -> None: ...
 
+    def model_api_failure(self) -> str | None:
+        """Why the model API refused the execution's latest call, if infrastructure refused it (else None)."""
+        ...
+
 
 class NullObserver:
     def branched(self, branch: Branch) -> None:
         return None
 
     def agent_stopped(self, stopped: AgentStopped) -> None:
+        return None
+
+    def model_api_failure(self) -> str | None:
         return None
 
 
@@ -109,7 +116,8 @@ def run_execution(
         external_outcome: ExternalOutcome | None = None
         if isinstance(harness, ExternalHarness):
             external_outcome = run_external(harness, sandbox, gateway, task.instruction, timeout_s=wall)
-            stopped = _external_stopped(external_outcome)
+            failed_exit = not external_outcome.timed_out and external_outcome.exit_code != 0
+            stopped = _external_stopped(external_outcome, observer.model_api_failure() if failed_exit else None)
         else:
             loop = AgentLoop.for_gateway(gateway.base_url, gateway.token, harness.agent.model_copy(update={"model": gateway.model}), sandbox, sink=observer)
             agent_outcome = loop.run(task.instruction, budget)
@@ -144,11 +152,17 @@ def _agent_stopped(outcome: AgentOutcome) -> AgentStopped:
             raise ValueError(f"unknown agent status {other!r}")
 
 
-def _external_stopped(outcome: ExternalOutcome) -> AgentStopped:
+def _external_stopped(outcome: ExternalOutcome, api_failure: str | None = None) -> AgentStopped:
+    """An external harness's end. `api_failure`: the gateway's reason for refusing its latest model call, when
+    infrastructure refused it (asked only after a non-zero exit)."""
     if outcome.timed_out:
         return AgentStopped(status="timed_out", stop_reason="wall-clock budget spent", budget="wall_clock", elapsed_s=outcome.elapsed_s, calls=None)
     reason = "exit 0" if outcome.exit_code == 0 else f"exit {outcome.exit_code}"
-    # A harness that exits non-zero still ends normally from the execution's view; its work is graded.
+    if outcome.exit_code != 0 and api_failure is not None:
+        # It gave up because the model API failed it (after its own retries): the infrastructure's doing.
+        return AgentStopped(status="error", stop_reason=f"{reason} after the model API refused its last call: {api_failure}",
+                            elapsed_s=outcome.elapsed_s, calls=None, infra_failure=True)
+    # Otherwise a harness that exits non-zero still ends normally from the execution's view; its work is graded.
     return AgentStopped(status="finished", stop_reason=reason, elapsed_s=outcome.elapsed_s, calls=None)
 
 
@@ -179,16 +193,23 @@ class LoopObserver:
         *,
         on_branched: Callable[[Branch], Coroutine[Any, Any, None]],
         on_stopped: Callable[[AgentStopped], Coroutine[Any, Any, None]],
+        on_api_failure: Callable[[], Coroutine[Any, Any, str | None]] | None = None,
     ) -> None:
         self._loop = loop
         self._on_branched = on_branched
         self._on_stopped = on_stopped
+        self._on_api_failure = on_api_failure
 
     def branched(self, branch: Branch) -> None:
         asyncio.run_coroutine_threadsafe(self._on_branched(branch), self._loop).result()
 
     def agent_stopped(self, stopped: AgentStopped) -> None:
         asyncio.run_coroutine_threadsafe(self._on_stopped(stopped), self._loop).result()
+
+    def model_api_failure(self) -> str | None:
+        if self._on_api_failure is None:
+            return None
+        return asyncio.run_coroutine_threadsafe(self._on_api_failure(), self._loop).result()
 
 
 async def run_execution_async(**kwargs: Any) -> ExecutionResult:

@@ -153,6 +153,22 @@ class HarnessService(Service):
         response.raise_for_status()
         return str(response.json()["token"])
 
+    async def _gateway_refusal(self, execution_id: str) -> str | None:
+        """The gateway's reason for refusing the execution's latest call, when infrastructure refused it.
+
+        Asked after an external harness exits non-zero, before its end event (which makes the gateway forget the
+        execution). A gateway that cannot answer leaves the exit graded as the agent's own."""
+        assert self._http is not None
+        headers = {"x-api-key": self.h.gateway_admin_token} if self.h.gateway_admin_token else {}
+        try:
+            response = await self._http.get(f"{self.h.gateway_url}/internal/executions/{execution_id}", headers=headers)
+            response.raise_for_status()
+            reason = response.json().get("last_infra_refusal")
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            self.log.warning("gateway_status_unavailable", execution_id=execution_id, error=str(exc))
+            return None
+        return reason if isinstance(reason, str) and reason else None
+
     async def _run(self, started: ExecutionStarted, cause: Event) -> None:
         execution_id = started.execution_id
         stream = stream_id_for("execution", execution_id)
@@ -195,7 +211,8 @@ class HarnessService(Service):
                     state_dir=self.h.work_dir / execution_id,
                     budget=budget,
                     backend=self.h.backend,
-                    observer=LoopObserver(loop, on_branched=on_branched, on_stopped=on_stopped),
+                    observer=LoopObserver(loop, on_branched=on_branched, on_stopped=on_stopped,
+                                          on_api_failure=lambda: self._gateway_refusal(execution_id)),
                 )
             except Exception as exc:
                 log.exception("execution_failed", error=str(exc))

@@ -33,10 +33,21 @@ from shared.logging import get_logger
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 
 
+# Refusals that are the infrastructure's, not the request's own: no capacity (429) and server-side failures.
+def is_infra_refusal(exc: ApiError) -> bool:
+    return exc.status == 429 or exc.status >= 500
+
+
 @dataclass
 class ExecutionState:
     tito: TitoState = field(default_factory=TitoState)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    answered: int = 0  # model calls answered with a completion
+    infra_refusals: int = 0  # calls refused by the infrastructure (429, 5xx)
+    # Why the execution's latest model call was refused, when the infrastructure refused it; None after an
+    # answered call or a refusal of the request itself (400, 413...). Lets the harness tell an external agent
+    # that exits because the model API failed it from one that exits on its own.
+    last_infra_refusal: str | None = None
 
 
 class GatewayCore:
@@ -71,6 +82,26 @@ class GatewayCore:
 
     def count_tokens(self, execution_id: str, parsed: ParsedRequest) -> int:
         return len(self._state(execution_id).tito.plan(parsed.conversation, self.codec).prompt)
+
+    def note_refusal(self, execution_id: str, exc: ApiError) -> None:
+        """Remember a refused call (the HTTP layer calls this for every error answer it sends)."""
+        state = self._state(execution_id)
+        if is_infra_refusal(exc):
+            state.infra_refusals += 1
+            state.last_infra_refusal = f"{exc.status} {exc.kind}: {exc.message}"
+        else:
+            state.last_infra_refusal = None
+
+    def call_status(self, execution_id: str) -> dict[str, Any]:
+        """What the gateway saw of an execution's calls since it was registered (or the gateway started)."""
+        state = self.executions.get(execution_id)
+        return {
+            "execution_id": execution_id,
+            "known": state is not None,
+            "answered": state.answered if state else 0,
+            "infra_refusals": state.infra_refusals if state else 0,
+            "last_infra_refusal": state.last_infra_refusal if state else None,
+        }
 
     def end_execution(self, execution_id: str) -> None:
         self.executions.pop(execution_id, None)
@@ -143,6 +174,8 @@ class GatewayCore:
                 self.log.error("recording_failed", execution_id=execution_id, error=str(exc))
                 raise ApiError("api_error", f"the call could not be recorded, so it is not returned: {exc}") from exc
             state.tito.commit(plan, completion=completion, reply=message, codec=self.codec)
+            state.answered += 1
+            state.last_infra_refusal = None
         self.log.info("call_completed", execution_id=execution_id, call_id=call_id, cell_id=reply.cell_id,
                       prompt_tokens=prompt_len, completion_tokens=len(completion),
                       policy_version=reply.policy_version, latency_s=round(time.perf_counter() - started, 3))
@@ -221,19 +254,27 @@ def create_app(
             events, media_type="text/event-stream", headers={"cache-control": "no-cache", **call_headers(result)}
         )
 
+    def refused(execution_id: str | None, exc: ApiError) -> None:
+        if execution_id is not None:  # a call that named no live execution has no one to account to
+            core.note_refusal(execution_id, exc)
+
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
+        execution_id: str | None = None
         try:
-            body = await _read_json(request, max_body_bytes)
             execution_id = execution_of(request)
+            body = await _read_json(request, max_body_bytes)
             parsed = anthropic_api.parse_request(body)
             result = await core.complete(execution_id, parsed, api="anthropic")
         except ApiError as exc:
             _log_refusal(log, exc, api="anthropic")
+            refused(execution_id, exc)
             return anthropic_error(exc)
         except Exception as exc:  # an answer in the API's shape, never a bare 500 page
             log.exception("messages_failed")
-            return anthropic_error(ApiError("api_error", f"{type(exc).__name__}: {exc}"))
+            error = ApiError("api_error", f"{type(exc).__name__}: {exc}")
+            refused(execution_id, error)
+            return anthropic_error(error)
         if parsed.stream:
             return stream(anthropic_api.sse_events(result), result)
         return JSONResponse(
@@ -252,17 +293,21 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        execution_id: str | None = None
         try:
-            body = await _read_json(request, max_body_bytes)
             execution_id = execution_of(request)
+            body = await _read_json(request, max_body_bytes)
             parsed = openai_api.parse_request(body)
             result = await core.complete(execution_id, parsed, api="openai")
         except ApiError as exc:
             _log_refusal(log, exc, api="openai")
+            refused(execution_id, exc)
             return openai_error(exc)
         except Exception as exc:
             log.exception("chat_completions_failed")
-            return openai_error(ApiError("api_error", f"{type(exc).__name__}: {exc}"))
+            error = ApiError("api_error", f"{type(exc).__name__}: {exc}")
+            refused(execution_id, error)
+            return openai_error(error)
         created = int(core.clock())
         if parsed.stream:
             return stream(openai_api.sse_chunks(result, created=created,
@@ -298,6 +343,15 @@ def create_app(
                                  "token": registry.register(body["execution_id"], token)})
         except ApiError as exc:
             return anthropic_error(exc)
+
+    @app.get("/internal/executions/{execution_id}")
+    async def execution_status(execution_id: str, request: Request) -> Response:
+        """The harness asks why an external agent's last call failed before it grades the agent's exit."""
+        try:
+            check_admin(request)
+        except ApiError as exc:
+            return anthropic_error(exc)
+        return JSONResponse(core.call_status(execution_id))
 
     @app.delete("/internal/executions/{execution_id}")
     async def end_execution(execution_id: str, request: Request) -> Response:

@@ -12,7 +12,9 @@ import anthropic
 assert os.environ["OPENAI_BASE_URL"] == os.environ["ANTHROPIC_BASE_URL"] + "/v1"
 assert os.environ["OPENAI_API_KEY"] == os.environ["ANTHROPIC_AUTH_TOKEN"]
 client = anthropic.Anthropic(max_retries=0)  # base URL and bearer token from the environment
-stream = len(sys.argv) > 2 and sys.argv[2] == "--stream"
+stream = "--stream" in sys.argv[2:]
+# `--exit-after CODE`: write the reply, then exit with CODE (a harness that fails on its own after an answer).
+exit_code = int(sys.argv[sys.argv.index("--exit-after") + 1]) if "--exit-after" in sys.argv[2:] else 0
 request = {"model": os.environ["GYRE_MODEL"], "max_tokens": 64, "messages": [{"role": "user", "content": sys.argv[1]}]}
 if stream:
     with client.messages.stream(**request) as events:
@@ -22,3 +24,4 @@ else:
 text = "".join(block.text for block in reply.content if block.type == "text")
 pathlib.Path("hello.txt").write_text(text + "\n")
 print("wrote", len(text), "characters")
+sys.exit(exit_code)

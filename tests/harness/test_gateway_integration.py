@@ -203,3 +203,59 @@ def test_claude_code_through_the_relay_to_the_real_gateway(tmp_path: Path, best_
     assert result.external is not None and result.external.exit_code == 0, result.external
     assert result.grade.score == 1.0
     assert len(stack.recorder.calls("execution-gw-claude")) >= 2
+
+
+class GatewayStatusObserver:
+    """Asks the gateway's execution-status API, as the harness service does after a non-zero exit."""
+
+    def __init__(self, base_url: str, execution_id: str) -> None:
+        self.url = f"{base_url}/internal/executions/{execution_id}"
+        self.asked = 0
+
+    def branched(self, branch: Branch) -> None:
+        return None
+
+    def agent_stopped(self, stopped: Any) -> None:
+        return None
+
+    def model_api_failure(self) -> str | None:
+        import httpx
+
+        self.asked += 1
+        return httpx.get(self.url, timeout=10).json()["last_infra_refusal"]
+
+
+@pytest.mark.parametrize("refused", [True, False], ids=["gateway-failed-it", "its-own-exit"])
+def test_an_external_harness_that_exits_after_the_gateway_failed_it_is_an_infrastructure_failure(
+    tmp_path: Path, best_backend: str, refused: bool
+) -> None:
+    from .test_external_harness import sdk_harness
+
+    codec, stack = gateway_stack(lambda prompt: "hello world")
+    token = stack.registry.register("execution-gw-500")
+    if refused:
+        stack.recorder.fail_next = ConnectionError("postgres went away")  # the call cannot be recorded: 500
+        harness = sdk_harness()
+    else:  # the script is answered, then exits 3 on its own
+        harness = sdk_harness("--exit-after", "3")
+    with Served(stack.app) as base_url:
+        observer = GatewayStatusObserver(base_url, "execution-gw-500")
+        result = run_execution(
+            execution_id="execution-gw-500",
+            task=load_task(TASKS / "create-file-1"),
+            harness=harness,
+            gateway=GatewayAccess(base_url=base_url, token=token, model="tiny"),
+            state_dir=tmp_path / "state",
+            backend=best_backend,
+            observer=observer,
+        )
+    assert result.external is not None and result.external.exit_code != 0, result.external
+    assert observer.asked == 1
+    if refused:
+        assert result.stopped.status == "error" and result.stopped.infra_failure
+        assert result.stopped.stop_reason.startswith("exit 1 after the model API refused its last call: 500 api_error")
+        assert stack.recorder.calls("execution-gw-500") == []
+    else:
+        assert result.stopped.status == "finished" and not result.stopped.infra_failure
+        assert result.stopped.stop_reason == "exit 3"
+        assert len(stack.recorder.calls("execution-gw-500")) == 1

@@ -149,3 +149,54 @@ async def test_a_model_api_that_keeps_failing_ends_the_execution_as_an_infrastru
     (scored,) = [e.data for e in events if e.type == "execution.scored"]
     assert scored.reward == 0.0 and scored.infra_failure is not None
     assert scored.infra_failure.startswith("InternalServerError")
+
+
+@pytest.mark.parametrize("status_api", ["answers", "broken"])
+async def test_an_external_harness_exiting_after_a_refused_call_is_flagged_when_the_gateway_says_so(
+    store, bus, infra, tmp_path, status_api: str
+):
+    """The service asks the gateway why the last call failed before it reports the external agent's end."""
+    from tests.harness.test_external_harness import sdk_harness
+
+    server = gateway([failure(500)])  # the script does not retry: one refused call, then exit 1
+    asked: list[str] = []
+
+    @server.app.get("/internal/executions/{execution_id}")
+    async def status(execution_id: str) -> JSONResponse:
+        asked.append(execution_id)
+        if status_api == "broken":
+            return JSONResponse({"error": "down"}, status_code=503)
+        return JSONResponse({"execution_id": execution_id, "last_infra_refusal": "500 api_error: scripted"})
+
+    class ExternalHarnessService(HarnessService):
+        def harness_config(self):  # type: ignore[override]
+            return sdk_harness()
+
+    run_id = unique("run-")
+    settings = Settings(database_url=infra.database_url, nats_url=infra.nats_url, db_schema=store.schema,
+                        subject_prefix=bus.prefix, run_id=run_id, ack_wait_s=30)
+    h = HarnessSettings(tasks_dir=REPO / "tasks", work_dir=tmp_path / "executions", gateway_url=server.base_url,
+                        model_name="scripted-model", concurrency=1, wall_budget_s=60)
+    svc = ExternalHarnessService(settings, h)
+    stop = asyncio.Event()
+    relay = OutboxRelay(store, bus, dsn=infra.database_url, idle_wait_s=0.1)
+    relay_task = asyncio.create_task(relay.run(stop))
+    query = QueryDispatched(query_id="qx", task_id="create-file-1", group_size=1, seeds=[5], step=0, policy_version=0)
+    try:
+        await svc.start()
+        await store.append([new_event(query, run_id=run_id, stream_id="query-qx", version=1, occurred_at=utcnow())])
+        events = await wait_for_types(store, run_id, {"execution.finished": 1, "execution.scored": 1})
+    finally:
+        await svc.stop()
+        stop.set()
+        await relay_task
+        server.stop()
+    (finished,) = [e.data for e in events if e.type == "execution.finished"]
+    (scored,) = [e.data for e in events if e.type == "execution.scored"]
+    assert asked == [finished.execution_id]
+    if status_api == "answers":
+        assert finished.stop_reason == "exit 1 after the model API refused its last call: 500 api_error: scripted"
+        assert scored.infra_failure == finished.stop_reason
+    else:  # no answer: the exit stays the agent's own outcome
+        assert finished.stop_reason == "exit 1" and scored.infra_failure is None
+    assert scored.reward == 0.0

@@ -315,3 +315,58 @@ async def test_an_echo_that_drops_the_tool_call_is_a_fork_not_a_silent_splice(st
     assert calls[1].branch_hint == "fork"
     # The shared prefix ends inside the first reply: the generated text is kept, the dropped call is not.
     assert calls[0].prompt_tokens < calls[1].parent_prefix_len < calls[0].prompt_tokens + calls[0].completion_tokens
+
+
+async def test_the_gateway_tells_whether_infrastructure_refused_an_executions_latest_call() -> None:
+    """The harness asks this after an external agent exits non-zero: a refusal that was the infrastructure's
+    (5xx, 429) makes the exit an infrastructure failure; a refusal of the request itself or an answer clears it."""
+    stack = build_stack([ScriptedEngine(CODEC, max_model_len=300)], CODEC, capacity=1)
+    token = stack.registry.register("exec-s")
+    client = stack.anthropic(token)
+    user = [{"role": "user", "content": "hi"}]
+
+    async def status() -> dict:
+        async with stack.http() as http:
+            r = await http.get("/internal/executions/exec-s")
+            assert r.status_code == 200
+            return r.json()
+
+    assert (await status())["last_infra_refusal"] is None
+    stack.recorder.fail_next = ConnectionError("postgres went away")
+    with pytest.raises(anthropic.InternalServerError):
+        await client.messages.create(model="tiny", max_tokens=20, messages=user)
+    seen = await status()
+    assert seen["last_infra_refusal"].startswith("500 api_error: ") and "postgres went away" in seen["last_infra_refusal"]
+    assert seen["infra_refusals"] == 1 and seen["answered"] == 0
+    with pytest.raises(anthropic.BadRequestError, match="prompt is too long"):  # the request's own fault
+        await client.messages.create(model="tiny", max_tokens=10, messages=[{"role": "user", "content": "x" * 400}])
+    assert (await status())["last_infra_refusal"] is None
+    stack.recorder.fail_next = ConnectionError("again")
+    with pytest.raises(openai.InternalServerError):  # the OpenAI endpoint reports to the same account
+        await stack.openai(token).chat.completions.create(model="tiny", messages=user)
+    assert (await status())["last_infra_refusal"].startswith("500 ")
+    await client.messages.create(model="tiny", max_tokens=20, messages=user)
+    seen = await status()
+    assert seen["last_infra_refusal"] is None and seen["answered"] == 1 and seen["infra_refusals"] == 2
+    # No capacity: exec-s holds the worker's only slot, so another execution is refused with 429.
+    with pytest.raises(anthropic.RateLimitError):
+        await stack.anthropic(stack.registry.register("exec-c")).messages.create(model="tiny", max_tokens=20,
+                                                                               messages=user)
+    async with stack.http() as http:
+        assert (await http.get("/internal/executions/exec-c")).json()["last_infra_refusal"].startswith("429 ")
+        await http.delete("/internal/executions/exec-s")  # the end event makes the gateway forget it
+        gone = (await http.get("/internal/executions/exec-s")).json()
+    assert gone["known"] is False and gone["last_infra_refusal"] is None
+
+
+async def test_the_execution_status_api_needs_the_admin_token_when_one_is_set() -> None:
+    from httpx import ASGITransport, AsyncClient
+
+    from services.rollout.gateway import create_app
+
+    stack = build_stack([ScriptedEngine(CODEC)], CODEC)
+    app = create_app(stack.core, stack.registry, admin_token="admin-secret-token")
+    async with AsyncClient(transport=ASGITransport(app=app), base_url="http://gw") as http:
+        assert (await http.get("/internal/executions/exec-x")).status_code == 401
+        r = await http.get("/internal/executions/exec-x", headers={"x-api-key": "admin-secret-token"})
+        assert r.status_code == 200 and r.json()["known"] is False
