@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from services.scheduler import policies
 from services.scheduler.sim import run_sim
 from services.scheduler.sim.bounds import DecodeLaw, alone_seconds, context_lag_nominal_s, lower_bound
+from services.scheduler.sim.clairvoyant import ClairvoyantPolicy
 from services.scheduler.sim.cli import sim_app
 from services.scheduler.sim.engine import SimOptions, Simulation
 from services.scheduler.sim.presets import get_preset, preset_names
@@ -118,6 +119,8 @@ def test_no_policy_beats_the_lower_bound_on_any_preset_or_seed(name: str, seed: 
         policies.AsyncPolicy(rollout_cells=p.cells - 1, fill=p.fill),
         policies.ColocatePolicy(fill=p.fill, run_ahead=True),
         policies.ColocatePolicy(fill=p.fill, run_ahead=False),
+        # The strongest adversary we have: it knows every execution's duration and final context.
+        ClairvoyantPolicy(p, w, slack=1.1),
     ]
     for policy in contenders:
         end_h = Simulation(p, w, policy, opts).run() / 3600.0
@@ -231,3 +234,15 @@ def test_sweep_reports_speedups_per_budget_and_cluster_size_and_draws_them(tmp_p
     for row in sweep["tail"] + sweep["cluster_size"]:
         assert row["elastic_vs_async"] > 0 and row["elastic_vs_colocate"] > 0
     assert (tmp_path / "sweep_terminal.png").stat().st_size > 10_000
+
+
+def test_the_clairvoyant_reference_is_deterministic_and_runs_under_the_rules_of_every_policy() -> None:
+    p = get_preset("flagship").scaled(**SMALL)
+    w = sample_workload(p, 3)
+    opts = SimOptions(record_timeline=False)  # validate=True: every decision is checked against the rules
+    runs = [Simulation(p, w, ClairvoyantPolicy(p, w, slack=1.15), opts) for _ in range(2)]
+    ends = [sim.run() for sim in runs]
+    assert ends[0] == ends[1] and runs[0].step_times == runs[1].step_times
+    assert max(runs[0].staleness) <= p.max_staleness
+    assert runs[0].peak_fill <= 1.05  # packs by the sessions' own contexts, never far past a cell's KV
+    assert len(runs[0].step_times) == p.steps
