@@ -117,7 +117,9 @@ def run_execution(
         if isinstance(harness, ExternalHarness):
             external_outcome = run_external(harness, sandbox, gateway, task.instruction, timeout_s=wall)
             failed_exit = not external_outcome.timed_out and external_outcome.exit_code != 0
-            stopped = _external_stopped(external_outcome, observer.model_api_failure() if failed_exit else None)
+            # Observers written before model_api_failure existed answer "nothing known".
+            ask = getattr(observer, "model_api_failure", None)
+            stopped = _external_stopped(external_outcome, ask() if failed_exit and ask is not None else None)
         else:
             loop = AgentLoop.for_gateway(gateway.base_url, gateway.token, harness.agent.model_copy(update={"model": gateway.model}), sandbox, sink=observer)
             agent_outcome = loop.run(task.instruction, budget)
