@@ -6,8 +6,9 @@ into events: branched while it runs, finished or timed_out when the agent stops,
 
 from __future__ import annotations
 
-import time
 import asyncio
+import concurrent.futures
+import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -21,6 +22,9 @@ from services.harness.grading import GradeResult
 from services.harness.sandbox import ProcessSandbox, SandboxSpec, make_sandbox
 from services.harness.taskrun import prepare, run_tests, sandbox_spec_for
 from services.harness.tasks import Task
+
+
+API_FAILURE_WAIT_S = 60.0  # how long an external execution's end waits for the gateway's account of its calls
 
 
 class BuiltinHarness(BaseModel):
@@ -211,7 +215,12 @@ class LoopObserver:
     def model_api_failure(self) -> str | None:
         if self._on_api_failure is None:
             return None
-        return asyncio.run_coroutine_threadsafe(self._on_api_failure(), self._loop).result()
+        future = asyncio.run_coroutine_threadsafe(self._on_api_failure(), self._loop)
+        try:
+            return future.result(timeout=API_FAILURE_WAIT_S)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            return None  # no answer in time: the exit stays the agent's own outcome
 
 
 async def run_execution_async(**kwargs: Any) -> ExecutionResult:

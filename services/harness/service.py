@@ -164,7 +164,7 @@ class HarnessService(Service):
             response = await self._http.get(f"{self.h.gateway_url}/internal/executions/{execution_id}", headers=headers)
             response.raise_for_status()
             reason = response.json().get("last_infra_refusal")
-        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+        except Exception as exc:  # whatever stops the answer, the exit stays the agent's own outcome
             self.log.warning("gateway_status_unavailable", execution_id=execution_id, error=str(exc))
             return None
         return reason if isinstance(reason, str) and reason else None

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from services.rollout import anthropic_api, openai_api
 from services.rollout.anthropic_api import Completion, ParsedRequest
@@ -31,6 +32,7 @@ from shared.calls import CALL_INDEX_HEADER
 from shared.logging import get_logger
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+REFUSAL_CHARS = 500  # a refusal's reason as kept for the harness (the message may quote a database error)
 
 
 # Refusals that are the infrastructure's, not the request's own: no capacity (429) and server-side failures.
@@ -84,11 +86,16 @@ class GatewayCore:
         return len(self._state(execution_id).tito.plan(parsed.conversation, self.codec).prompt)
 
     def note_refusal(self, execution_id: str, exc: ApiError) -> None:
-        """Remember a refused call (the HTTP layer calls this for every error answer it sends)."""
-        state = self._state(execution_id)
+        """Remember a refused call (the HTTP layer calls this for every error answer it sends).
+
+        Only for an execution the gateway holds state for: every call creates it first, and an execution that
+        has ended must not come back (a call still in flight at its end can fail afterwards)."""
+        state = self.executions.get(execution_id)
+        if state is None:
+            return
         if is_infra_refusal(exc):
             state.infra_refusals += 1
-            state.last_infra_refusal = f"{exc.status} {exc.kind}: {exc.message}"
+            state.last_infra_refusal = f"{exc.status} {exc.kind}: {exc.message}"[:REFUSAL_CHARS]
         else:
             state.last_infra_refusal = None
 
@@ -273,7 +280,8 @@ def create_app(
         except Exception as exc:  # an answer in the API's shape, never a bare 500 page
             log.exception("messages_failed")
             error = ApiError("api_error", f"{type(exc).__name__}: {exc}")
-            refused(execution_id, error)
+            if not isinstance(exc, ClientDisconnect):  # the client went away: nobody refused it
+                refused(execution_id, error)
             return anthropic_error(error)
         if parsed.stream:
             return stream(anthropic_api.sse_events(result), result)
@@ -284,12 +292,15 @@ def create_app(
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
         try:
-            body = await _read_json(request, max_body_bytes)
             execution_id = execution_of(request)
+            body = await _read_json(request, max_body_bytes)
             parsed = anthropic_api.parse_request(body, count_only=True)
             return JSONResponse({"input_tokens": core.count_tokens(execution_id, parsed)})
         except ApiError as exc:
             return anthropic_error(exc)
+        except Exception as exc:  # an answer in the API's shape, never a bare 500 page
+            log.exception("count_tokens_failed")
+            return anthropic_error(ApiError("api_error", f"{type(exc).__name__}: {exc}"))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -306,7 +317,8 @@ def create_app(
         except Exception as exc:
             log.exception("chat_completions_failed")
             error = ApiError("api_error", f"{type(exc).__name__}: {exc}")
-            refused(execution_id, error)
+            if not isinstance(exc, ClientDisconnect):
+                refused(execution_id, error)
             return openai_error(error)
         created = int(core.clock())
         if parsed.stream:

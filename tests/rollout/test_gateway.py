@@ -370,3 +370,20 @@ async def test_the_execution_status_api_needs_the_admin_token_when_one_is_set() 
         assert (await http.get("/internal/executions/exec-x")).status_code == 401
         r = await http.get("/internal/executions/exec-x", headers={"x-api-key": "admin-secret-token"})
         assert r.status_code == 200 and r.json()["known"] is False
+
+
+async def test_a_refusal_after_an_execution_ended_does_not_bring_its_state_back() -> None:
+    """A call still in flight when the execution's end event arrives may fail afterwards; nothing is kept for it."""
+    from services.rollout.errors import ApiError
+
+    stack = build_stack([ScriptedEngine(CODEC)], CODEC)
+    token = stack.registry.register("exec-end")
+    await stack.anthropic(token).messages.create(model="tiny", max_tokens=20, messages=[{"role": "user", "content": "hi"}])
+    assert "exec-end" in stack.core.executions
+    stack.core.end_execution("exec-end")
+    stack.core.note_refusal("exec-end", ApiError("rate_limit_error", "late"))
+    assert "exec-end" not in stack.core.executions
+    async with stack.http() as http:  # every endpoint authenticates before it reads a body
+        for path in ("/v1/messages", "/v1/messages/count_tokens", "/v1/chat/completions"):
+            r = await http.post(path, content=b"{not json", headers={"x-api-key": "gyre-not-a-token"})
+            assert r.status_code == 401, path

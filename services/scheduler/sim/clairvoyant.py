@@ -4,7 +4,8 @@ Not a policy the live scheduler can run: it reads each execution's nominal durat
 the sampled workload. It answers how close *any* schedule gets to the lower bound when the future is known,
 which separates the bound's optimism from the price of not knowing durations (docs/simulator.md, item 3).
 
-Each batch gets a deadline: its dispatch time plus `slack` × its slowest execution's time alone on a cell.
+Each batch gets a deadline: the time the staleness bound releases it plus `slack` × its slowest execution's
+time alone on a cell.
 A session's tolerance is the largest cell context at which its remaining work still meets that deadline,
 `(time left / work left − a) / β` under the engine's decode law; a cell's sessions must all tolerate the
 cell's context an hour ahead. Sessions are placed least tolerant first on the fullest cell that fits,
@@ -29,12 +30,12 @@ from services.scheduler.sim.workload import Preset, Workload
 class ClairvoyantPolicy:
     preset: Preset
     workload: Workload
-    slack: float = 1.1  # batch deadline = dispatch + slack × its slowest execution alone
+    slack: float = 1.1  # batch deadline = release + slack × its slowest execution alone
     horizon_s: float = 3_600.0  # a cell must tolerate its sessions' context this far (nominal) ahead
     fill: float = 0.95  # context fraction of capacity a cell is packed to at most
     name: str = "clairvoyant"
     allows_parking: bool = False
-    _dispatched_at: dict[int, float] = field(default_factory=dict)
+    _released_at: dict[int, float] = field(default_factory=dict)  # per batch; one policy object per run
 
     def __post_init__(self) -> None:
         self.law = DecodeLaw.of(self.preset)
@@ -55,7 +56,7 @@ class ClairvoyantPolicy:
     def _tolerance(self, row: int, context: float, now: float) -> tuple[float, float]:
         """(largest cell context the session tolerates, its context `horizon_s` of progress ahead)."""
         b = self._batch(row)
-        start = self._dispatched_at.setdefault(b, now)
+        start = self._released_at.get(b, now)
         l0 = float(self.preset.prompt_tokens)
         slope = float(self.slope[row])
         done = (context - l0) / slope if slope > 0 else 0.0
@@ -67,7 +68,8 @@ class ClairvoyantPolicy:
 
     def decide(self, snapshot: Snapshot) -> list[Action]:
         cells = sorted(snapshot.cells, key=lambda c: c.cell_id)
-        idle = [c for c in cells if c.role is Role.IDLE][: snapshot.budget_cells]
+        in_budget = sum(1 for c in cells if c.role is not Role.IDLE)
+        idle = [c for c in cells if c.role is Role.IDLE][: max(0, snapshot.budget_cells - in_budget)]
         if idle:
             return [AssignCell(c.cell_id, Role.ROLLOUT) for c in idle]
         now = snapshot.now_s
@@ -142,6 +144,9 @@ class ClairvoyantPolicy:
         for query in snapshot.queued[: snapshot.dispatch_room()]:
             q = int(query.query_id[1:])
             rows = list(range(q * g, q * g + g))
+            # The deadline runs from the batch's release by the staleness bound, as in the bound's chain: a
+            # batch still waiting for room is already late.
+            self._released_at.setdefault(self._batch(rows[0]), now)
             for row in rows:
                 info[row] = self._tolerance(row, float(self.preset.prompt_tokens), now)
                 need[row] = reserve
