@@ -356,21 +356,24 @@ def create_app(
         except ApiError as exc:
             return anthropic_error(exc)
 
-    @app.get("/internal/executions/{execution_id}")
-    async def execution_status(execution_id: str, request: Request) -> Response:
-        """The harness asks why an external agent's last call failed before it grades the agent's exit."""
+    def admin_refusal(request: Request) -> Response | None:
         try:
             check_admin(request)
         except ApiError as exc:
             return anthropic_error(exc)
+        return None
+
+    @app.get("/internal/executions/{execution_id}")
+    async def execution_status(execution_id: str, request: Request) -> Response:
+        """The harness asks why an external agent's last call failed before it grades the agent's exit."""
+        if (refusal := admin_refusal(request)) is not None:
+            return refusal
         return JSONResponse(core.call_status(execution_id))
 
     @app.delete("/internal/executions/{execution_id}")
     async def end_execution(execution_id: str, request: Request) -> Response:
-        try:
-            check_admin(request)
-        except ApiError as exc:
-            return anthropic_error(exc)
+        if (refusal := admin_refusal(request)) is not None:
+            return refusal
         registry.revoke(execution_id)
         core.end_execution(execution_id)
         return JSONResponse({"execution_id": execution_id, "ended": True})
