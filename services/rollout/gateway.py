@@ -35,8 +35,8 @@ DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 REFUSAL_CHARS = 500  # a refusal's reason as kept for the harness (the message may quote a database error)
 
 
-# Refusals that are the infrastructure's, not the request's own: no capacity (429) and server-side failures.
 def is_infra_refusal(exc: ApiError) -> bool:
+    """A refusal that is the infrastructure's, not the request's own: no capacity (429) or a server-side failure."""
     return exc.status == 429 or exc.status >= 500
 
 
@@ -100,7 +100,8 @@ class GatewayCore:
             state.last_infra_refusal = None
 
     def call_status(self, execution_id: str) -> dict[str, Any]:
-        """What the gateway saw of an execution's calls since it was registered (or the gateway started)."""
+        """What the gateway saw of an execution's calls, from its first call until its end (`known` is False
+        before the first call, after the end and across a gateway restart)."""
         state = self.executions.get(execution_id)
         return {
             "execution_id": execution_id,
