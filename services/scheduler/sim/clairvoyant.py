@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from services.scheduler.policies.actions import Action, AssignCell, DispatchQuery, MigrateSession
 from services.scheduler.policies.base import Room, accepting
 from services.scheduler.policies.snapshot import CellState, Role, Snapshot
-from services.scheduler.sim.bounds import DecodeLaw
+from services.scheduler.sim.bounds import DecodeLaw, alone_seconds
 from services.scheduler.sim.workload import Preset, Workload
 
 
@@ -42,8 +42,7 @@ class ClairvoyantPolicy:
         l0 = float(self.preset.prompt_tokens)
         dur = self.workload.duration_s.astype(float)
         self.slope = (self.workload.context_tokens.astype(float) - l0) / dur
-        # Time alone on a cell (below capacity w is affine): D (a + β l0) + β s D² / 2.
-        alone = dur * (self.law.a + self.law.beta * l0) + self.law.beta * self.slope * dur * dur / 2
+        alone = alone_seconds(self.preset, self.workload)
         per_batch = self.preset.batch_queries * self.preset.group_size
         self.batch_alone = [float(alone[i : i + per_batch].max()) for i in range(0, len(alone), per_batch)]
 
@@ -172,11 +171,12 @@ class ClairvoyantPolicy:
             return actions + [AssignCell(c.cell_id, Role.ROLLOUT) for c in trainers]
         if not acc and snapshot.dispatch_room() > 0:
             return actions + [AssignCell(c.cell_id, Role.ROLLOUT) for c in trainers[1:2]]
+        training: set[str] = set()
         for cell in sorted(acc, key=lambda c: (load[c], c)):
             rows = list(members[cell])
             if cell in touched or any(r in moving for r in rows):
                 continue
-            others = [c for c in acc if c != cell and c not in leaving(actions)]
+            others = [c for c in acc if c != cell and c not in training]
             plan: list[tuple[int, str]] = []
             for row in sorted(rows, key=lambda r: info[r][0]):
                 ok = [c for c in others if members[c] and fits(c, row)]
@@ -194,9 +194,6 @@ class ClairvoyantPolicy:
                 actions.append(MigrateSession(f"s{row}", cell, dst))
                 touched.add(dst)
             load[cell] = 0.0
+            training.add(cell)
             actions.append(AssignCell(cell, Role.TRAIN))
         return actions
-
-
-def leaving(actions: list[Action]) -> set[str]:
-    return {a.cell_id for a in actions if isinstance(a, AssignCell)}
