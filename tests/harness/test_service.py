@@ -36,7 +36,10 @@ def gateway(script: list[Any]) -> ScriptedAnthropicServer:
     return server.start()
 
 
-def service(infra: Infra, store, bus, tmp_path: Path, server: ScriptedAnthropicServer, run_id: str) -> HarnessService:
+def service(
+    infra: Infra, store, bus, tmp_path: Path, server: ScriptedAnthropicServer, run_id: str,
+    cls: type[HarnessService] = HarnessService,
+) -> HarnessService:
     settings = Settings(
         database_url=infra.database_url, nats_url=infra.nats_url, db_schema=store.schema,
         subject_prefix=bus.prefix, run_id=run_id, ack_wait_s=30,
@@ -45,7 +48,7 @@ def service(infra: Infra, store, bus, tmp_path: Path, server: ScriptedAnthropicS
         tasks_dir=REPO / "tasks", work_dir=tmp_path / "executions", gateway_url=server.base_url,
         model_name="scripted-model", concurrency=1, wall_budget_s=60,
     )
-    return HarnessService(settings, h)
+    return cls(settings, h)
 
 
 async def wait_for_types(store, run_id: str, wanted: dict[str, int], timeout: float = 120) -> list:
@@ -62,11 +65,11 @@ async def wait_for_types(store, run_id: str, wanted: dict[str, int], timeout: fl
 
 async def dispatch_and_wait(
     store, bus, infra: Infra, tmp_path: Path, server: ScriptedAnthropicServer, query: QueryDispatched,
-    wanted: dict[str, int],
+    wanted: dict[str, int], cls: type[HarnessService] = HarnessService,
 ) -> list:
     """Run the harness service (and a relay) on one dispatched query until the wanted events are in the log."""
     run_id = unique("run-")
-    svc = service(infra, store, bus, tmp_path, server, run_id)
+    svc = service(infra, store, bus, tmp_path, server, run_id, cls)
     stop = asyncio.Event()
     relay = OutboxRelay(store, bus, dsn=infra.database_url, idle_wait_s=0.1)
     relay_task = asyncio.create_task(relay.run(stop))
@@ -172,25 +175,9 @@ async def test_an_external_harness_exiting_after_a_refused_call_is_flagged_when_
         def harness_config(self):  # type: ignore[override]
             return sdk_harness()
 
-    run_id = unique("run-")
-    settings = Settings(database_url=infra.database_url, nats_url=infra.nats_url, db_schema=store.schema,
-                        subject_prefix=bus.prefix, run_id=run_id, ack_wait_s=30)
-    h = HarnessSettings(tasks_dir=REPO / "tasks", work_dir=tmp_path / "executions", gateway_url=server.base_url,
-                        model_name="scripted-model", concurrency=1, wall_budget_s=60)
-    svc = ExternalHarnessService(settings, h)
-    stop = asyncio.Event()
-    relay = OutboxRelay(store, bus, dsn=infra.database_url, idle_wait_s=0.1)
-    relay_task = asyncio.create_task(relay.run(stop))
     query = QueryDispatched(query_id="qx", task_id="create-file-1", group_size=1, seeds=[5], step=0, policy_version=0)
-    try:
-        await svc.start()
-        await store.append([new_event(query, run_id=run_id, stream_id="query-qx", version=1, occurred_at=utcnow())])
-        events = await wait_for_types(store, run_id, {"execution.finished": 1, "execution.scored": 1})
-    finally:
-        await svc.stop()
-        stop.set()
-        await relay_task
-        server.stop()
+    events = await dispatch_and_wait(store, bus, infra, tmp_path, server, query,
+                                     {"execution.finished": 1, "execution.scored": 1}, ExternalHarnessService)
     (finished,) = [e.data for e in events if e.type == "execution.finished"]
     (scored,) = [e.data for e in events if e.type == "execution.scored"]
     assert asked == [finished.execution_id]
