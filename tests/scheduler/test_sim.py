@@ -17,7 +17,7 @@ from services.scheduler.sim.cli import sim_app
 from services.scheduler.sim.engine import SimOptions, Simulation
 from services.scheduler.sim.presets import get_preset, preset_names
 from services.scheduler.sim.runner import async_rollout_cells, simulate_policy
-from services.scheduler.sim.workload import Preset, PresetError, sample_workload, workload_stats
+from services.scheduler.sim.workload import Preset, PresetError, Workload, sample_workload, workload_stats
 
 # A small cluster with the flagship's workload shape: a few seconds per policy.
 SMALL = dict(steps=5, cells=16, batch_queries=2)
@@ -91,6 +91,18 @@ def test_elastic_parks_no_session_and_validates_every_decision() -> None:
     assert not sim.sessions or all(sim.cells[s.cell].role is policies.Role.ROLLOUT for s in sim.sessions.values())
 
 
+def test_the_async_split_always_holds_one_whole_query() -> None:
+    # Slow training sizes the rollout share to one cell, which holds 11 of a query's 16 sessions.
+    base = get_preset("flagship")
+    p = base.scaled(steps=base.max_staleness + 3, cells=8, batch_queries=1, train_tokens_per_cell_s=200.0)
+    cells = async_rollout_cells(p, 2)
+    assert cells == 2
+    policy = policies.AsyncPolicy(rollout_cells=cells, fill=p.fill)
+    sim = Simulation(p, sample_workload(p, 2), policy, SimOptions(record_timeline=False))
+    sim.run()
+    assert len(sim.step_times) == p.steps
+
+
 def test_lower_bound_grows_with_the_work() -> None:
     p = get_preset("flagship").scaled(**SMALL)
     w = sample_workload(p, 0)
@@ -106,10 +118,11 @@ def reduced(name: str) -> Preset:
     )
 
 
+@pytest.mark.parametrize("budget", ["work", "wall_clock"])
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("name", preset_names())
-def test_no_policy_beats_the_lower_bound_on_any_preset_or_seed(name: str, seed: int) -> None:
-    p = reduced(name)
+def test_no_policy_beats_the_lower_bound_on_any_preset_or_seed(name: str, seed: int, budget: str) -> None:
+    p = reduced(name).scaled(budget=budget)
     w = sample_workload(p, seed)
     opts = SimOptions(record_timeline=False)
     lb = lower_bound(p, w, opts)
@@ -175,6 +188,61 @@ def test_unknown_preset_is_a_clear_error() -> None:
     with pytest.raises(PresetError, match="expected a preset"):
         get_preset("nl2repo-xxl")
     assert {"flagship", "repo", "terminal", "swe"} <= set(preset_names())
+
+
+# ---------------------------------------------------------------- the agent's time budget
+
+
+def one_query(hours: list[float], budget: str) -> tuple[Preset, Workload]:
+    """One query of len(hours) executions on two cells, contexts growing 50K tokens a nominal hour."""
+    p = get_preset("flagship").scaled(
+        steps=1, batch_queries=1, group_size=len(hours), cells=2, budget=budget, timeout_h=8.0
+    )
+    h = np.array(hours)
+    ctx = (p.prompt_tokens + 50_000 * h).astype(np.int64)
+    return p, Workload(duration_s=h * 3600.0, context_tokens=ctx, timed_out=np.zeros(len(h), bool), group_size=len(h))
+
+
+def test_a_wall_clock_budget_ends_an_execution_at_its_deadline_with_the_work_it_did() -> None:
+    p, w = one_query([1.0, 20.0], "wall_clock")
+    sim = Simulation(p, w, policies.ElasticPolicy())
+    sim.run()
+    assert sim.budget_cuts == 1
+    cut_tokens = sim.trained_tokens - int(w.context_tokens[0])
+    progress_s = (cut_tokens - p.prompt_tokens) / 50_000 * 3600.0
+    law = DecodeLaw.of(p)
+    budget_s = 8 * 3600.0
+    # Eight hours of wall clock at a decode speed between an empty cell's and its final context's.
+    assert budget_s / law.wall_per_nominal(float(w.context_tokens[1])) <= progress_s <= budget_s / law.a
+    assert 8.0 < sim.step_times[0] / 3600.0 < 8.5  # the budget, then training and the optimiser step
+    assert sim.step_times[0] / 3600.0 >= lower_bound(p, w).hours
+
+
+def test_a_work_budget_lets_every_execution_finish_its_work() -> None:
+    p, w = one_query([1.0, 7.5], "work")
+    sim = Simulation(p, w, policies.ElasticPolicy())
+    sim.run()
+    assert sim.budget_cuts == 0
+    assert sim.trained_tokens == int(w.context_tokens.sum())
+    assert sim.step_times[0] / 3600.0 > 7.5 * DecodeLaw.of(p).a
+
+
+def test_the_budget_caps_sampled_work_only_when_it_counts_work() -> None:
+    work = get_preset("flagship")
+    wall = work.scaled(budget="wall_clock")
+    assert sample_workload(work, 0).duration_s.max() <= work.timeout_h * 3600.0
+    longest = sample_workload(wall, 0).duration_s.max()
+    # Under a wall-clock budget the engine cuts; the workload stops only at what no cell could finish.
+    assert work.timeout_h * 3600.0 < longest <= wall.nominal_cap_h() * 3600.0
+    assert wall.nominal_cap_h() == pytest.approx(wall.timeout_h / (1.0 - wall.gen_fraction))
+
+
+def test_an_unknown_budget_is_a_clear_error() -> None:
+    with pytest.raises(PresetError, match="budget must be one of"):
+        get_preset("swe").scaled(budget="turns")
+    result = CliRunner().invoke(sim_app, ["--preset", "terminal", "--steps", "1", "--budget", "turns", "--no-plots"])
+    assert result.exit_code == 2
+    assert "budget must be one of" in result.output
 
 
 # ---------------------------------------------------------------- calibration against the paper

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from services.scheduler.sim.engine import SimOptions
-from services.scheduler.sim.workload import Preset, Workload
+from services.scheduler.sim.workload import HOUR, Preset, Workload
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,18 +138,30 @@ def lower_bound(preset: Preset, w: Workload, options: SimOptions | None = None) 
     * critical path: batch b starts no earlier than version b - k exists; each of its executions
       takes at least its time alone on a cell; version b + 1 follows the batch's slowest execution
       plus its training on every cell plus the overhead, and follows version b plus that training.
+
+    Under a wall-clock budget an execution may instead be cut `timeout_h` after its dispatch, having
+    done as little as nothing (a parked session makes no progress): each batch then either finishes
+    all its work as above or has one execution cut, which takes the whole budget and leaves at least
+    the prompts to train; the chain takes whichever is shorter, and the resource part only the prompts.
     """
     opts = options or SimOptions()
     lag = context_lag_nominal_s(preset, opts)
     n = preset.cells
     tpc = preset.train_tokens_per_cell_s
-    roll = rollout_cell_seconds(preset, w, lag_nominal_s=lag)
-    train = float(w.context_tokens.sum()) / tpc
+    wall_clock = preset.budget == "wall_clock"
+    l0 = float(preset.prompt_tokens)
+    if wall_clock:
+        roll = 0.0
+        train = l0 * len(w.duration_s) / tpc
+    else:
+        roll = rollout_cell_seconds(preset, w, lag_nominal_s=lag)
+        train = float(w.context_tokens.sum()) / tpc
     resource = (roll + train) / n + preset.step_overhead_s
 
     per_batch = preset.batch_queries * preset.group_size
     alone = alone_seconds(preset, w, lag).reshape(preset.steps, per_batch)
     tok = w.context_tokens.reshape(preset.steps, per_batch).astype(np.float64)
+    # Each scenario gives per batch (training time at full width, earliest ready time after dispatch).
     full_train = tok.sum(axis=1) / (n * tpc)
     if preset.stream_training:
         # Each execution's tokens can be trained as soon as it finishes (from version b on).
@@ -157,11 +169,22 @@ def lower_bound(preset: Preset, w: Workload, options: SimOptions | None = None) 
     else:
         # Tree packing spans the batch: training starts when its slowest execution has finished.
         ready = alone.max(axis=1) + full_train
+    scenarios = [(full_train, ready)]
+    slowest = alone.max(axis=1)
+    if wall_clock:
+        budget_s = preset.timeout_h * HOUR
+        # Finishing every execution's work is impossible where one cannot finish even alone.
+        ready = np.where(slowest > budget_s, np.inf, ready)
+        scenarios = [(full_train, ready)]
+        prompts = np.full(preset.steps, per_batch * l0 / (n * tpc))
+        cut_ready = budget_s + (l0 / (n * tpc) if preset.stream_training else prompts)
+        scenarios.append((prompts, cut_ready + np.zeros(preset.steps)))
+        slowest = np.minimum(slowest, budget_s)
     k = preset.max_staleness
     version_t = [0.0]
     for step in range(preset.steps):
         start = version_t[max(0, step - k)]
-        t = max(version_t[step] + full_train[step], start + ready[step])
+        t = min(max(version_t[step] + tr[step], start + rd[step]) for tr, rd in scenarios)
         version_t.append(t + preset.step_overhead_s)
     cp = version_t[-1]
     return LowerBound(
@@ -170,6 +193,6 @@ def lower_bound(preset: Preset, w: Workload, options: SimOptions | None = None) 
         critical_path_h=cp / 3600.0,
         rollout_cell_h=roll / 3600.0,
         train_cell_h=train / 3600.0,
-        slowest_alone_h=float(alone.max(axis=1).mean()) / 3600.0,
+        slowest_alone_h=float(slowest.mean()) / 3600.0,
         rate_lag_s=opts.decide_interval_s + opts.tick_s,
     )

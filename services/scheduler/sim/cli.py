@@ -25,13 +25,16 @@ def sim(
     policies: str = typer.Option(",".join(POLICY_NAMES), help="comma-separated policies"),
     cells: int | None = typer.Option(None, help="override the preset's cell budget"),
     batch_queries: int | None = typer.Option(None, help="override the preset's queries per step"),
+    budget: str | None = typer.Option(
+        None, help="how the agent's time budget ends an execution: work (nominal hours) or wall_clock (default: work)"
+    ),
     sweep: bool = typer.Option(False, help="also sweep tail heaviness and cluster size"),
     plots: bool = typer.Option(True, help="write the timeline (and sweep) images"),
 ) -> None:
     """Simulate the preset under each policy and print the headline numbers as JSON."""
     names = tuple(p.strip() for p in policies.split(",") if p.strip())
     try:
-        overrides: dict[str, Any] = {k: v for k, v in {"cells": cells, "batch_queries": batch_queries}.items() if v is not None}
+        overrides: dict[str, Any] = {k: v for k, v in {"cells": cells, "batch_queries": batch_queries, "budget": budget}.items() if v is not None}
         report = run_sim(preset, steps, seed, out, policies=names, plots=plots, **overrides)
     except PresetError as exc:
         raise typer.BadParameter(str(exc)) from exc

@@ -32,7 +32,7 @@ from services.scheduler.policies import (
 from services.scheduler.sim.workload import Preset, Workload
 
 # Event kinds, ordered so that simultaneous events resolve deterministically.
-_CELL, _SWITCH, _MIGRATED, _TRAIN, _STEP, _DECIDE = range(6)
+_CELL, _SWITCH, _MIGRATED, _TRAIN, _STEP, _DECIDE, _DEADLINE = range(7)
 
 
 class SimulationError(RuntimeError):
@@ -142,6 +142,8 @@ class Simulation:
         self.last_refresh = -math.inf
         self.cell_views: dict[int, tuple[tuple[Role, CellState, float], CellView]] = {}
         self.parked_session_s = 0.0
+        self.budget_cuts = 0  # executions a wall-clock budget ended before their work was done
+        self.trained_tokens = 0
         self.peak_fill = 0.0
 
     # ---------------- event plumbing ----------------
@@ -278,9 +280,37 @@ class Simulation:
         self._recat(cell)
         self._reschedule(cell)
 
+    def _on_deadline(self, sid: int) -> None:
+        """A wall-clock budget ran out: the execution ends with the work it has done (graded as preserved)."""
+        s = self.sessions.get(sid)
+        if s is None:
+            return  # finished in time
+        cell: _Cell | None = None
+        if s.migrating:
+            done = s.done
+        else:
+            cell = self.cells[s.cell]
+            self._advance(cell)
+            done = cell.v - s.vstart
+            cell.a -= s.l0 - s.slope * s.vstart
+            cell.k -= s.slope
+            cell.sessions.discard(sid)
+            if not cell.sessions:
+                cell.a = cell.k = 0.0
+        s.epoch += 1
+        del self.sessions[sid]
+        self.view_cache.pop(sid, None)
+        s.final_tokens = int(s.l0 + s.slope * min(max(0.0, done), s.duration))
+        self.budget_cuts += 1
+        self._finish(s)
+        if cell is not None:
+            self._recat(cell)
+            self._reschedule(cell)
+
     def _finish(self, s: _Session) -> None:
         eid = f"s{s.sid}"
         tokens = s.final_tokens
+        self.trained_tokens += tokens
         self.finished[s.sid] = FinishedExecution(eid, f"q{s.query}", s.batch, tokens)
         self.batch_done_count[s.batch] = self.batch_done_count.get(s.batch, 0) + 1
         self.batch_tokens[s.batch] = self.batch_tokens.get(s.batch, 0.0) + tokens
@@ -483,6 +513,8 @@ class Simulation:
                     )  # fmt: skip
                     self.sessions[row] = s
                     self._attach(s, self.cells[by_id(cid)])
+                    if self.p.budget == "wall_clock":
+                        self._push(self.t + self.p.timeout_h * 3600.0, _DEADLINE, row)
 
     def _cell_index(self, cell_id: str) -> int:
         return int(cell_id[1:])
@@ -510,7 +542,9 @@ class Simulation:
                     # Cells that become ready within a minute of each other are decided on together.
                     self._request_decide(max(self.t, self.last_decide + 60.0))
                 case 2:
-                    s = self.sessions[a]
+                    s = self.sessions.get(a)
+                    if s is None:
+                        continue  # its budget ran out while its KV was in flight
                     s.migrating = False
                     self._attach(s, self.cells[s.cell])
                 case 3:
@@ -520,6 +554,8 @@ class Simulation:
                 case 5:
                     if t == self.next_decide:
                         self._decide()
+                case 6:
+                    self._on_deadline(a)
         self._account(self.t)
         for c in self.cells:
             if self.o.record_timeline:

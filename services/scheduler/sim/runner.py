@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -28,7 +29,11 @@ def async_rollout_cells(preset: Preset, seed: int) -> int:
         roll = rollout_cell_seconds(preset, w, preset.fill)
         train = float(w.context_tokens.sum()) / preset.train_tokens_per_cell_s
         share = roll / (roll + train)
-    return min(preset.cells - 1, max(1, round(share * preset.cells)))
+    # The pool must hold at least one query's group: a query is dispatched whole.
+    reserve = max(preset.mean_context_tokens, preset.kv_capacity_tokens / preset.max_sessions_per_cell)
+    per_cell = max(1, int(preset.kv_capacity_tokens * preset.fill // reserve))
+    smallest = math.ceil(preset.group_size / per_cell)
+    return min(preset.cells - 1, max(smallest, round(share * preset.cells)))
 
 
 def simulate_policy(
@@ -84,6 +89,8 @@ def metrics(sim: Simulation, end_s: float, wall_s: float, rollout_cells: int | N
             "max": max(stale) if stale else 0,
         },
         "peak_kv_fill": sim.peak_fill,
+        "budget_cuts": sim.budget_cuts,  # executions a wall-clock budget ended early (0 under a work budget)
+        "trained_tokens_m": sim.trained_tokens / 1e6,
         "decisions": sim.decisions,
         "async_rollout_cells": rollout_cells,
         "colocate_run_ahead": sim.p.colocate_run_ahead if sim.policy.name == "colocate" else None,

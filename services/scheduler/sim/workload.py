@@ -1,7 +1,8 @@
 """Workload presets and the long-tailed execution model they sample from (deterministic per seed).
 
 An execution's nominal duration is `query difficulty × per-sample noise`, capped by the agent's time
-budget; its final context grows in proportion to how long it ran. Nominal means: at the reference
+budget (a wall-clock budget is enforced by the engine instead, `BUDGETS`); its final context grows in
+proportion to how long it ran. Nominal means: at the reference
 load of a rollout cell (the load under which the published durations were measured).
 """
 
@@ -13,6 +14,13 @@ from functools import lru_cache
 import numpy as np
 
 HOUR = 3600.0
+
+# How the agent's time budget (`timeout_h`) ends an execution:
+# * "work": after `timeout_h` nominal hours of progress, however long that takes on a loaded cell —
+#   a budget on the agent's calls or turns; every policy then does the same work;
+# * "wall_clock": `timeout_h` hours after dispatch, with whatever it has done by then (the task
+#   format's `max_agent_timeout_sec`); a slower schedule then does less work.
+BUDGETS = frozenset({"work", "wall_clock"})
 
 
 class PresetError(ValueError):
@@ -35,6 +43,7 @@ class Preset:
     query_log_sd: float = 0.5  # spread of difficulty between tasks
     sample_log_sd: float = 0.3  # spread between the G samples of one task
     timeout_h: float = 8.0  # the agent's time budget; longer executions are cut and graded as preserved
+    budget: str = "work"  # how timeout_h is enforced: BUDGETS below
     # --- tokens ---
     prompt_tokens: int = 8_000
     mean_context_tokens: int = 300_000  # mean final context of an execution (≈ unique tokens trained)
@@ -59,8 +68,19 @@ class Preset:
     fill: float = 0.9  # KV fraction the policies may reserve on a rollout cell
     colocate_run_ahead: bool = True  # colocate starts later batches within the bound (parks them)
 
+    def __post_init__(self) -> None:
+        if self.budget not in BUDGETS:
+            raise PresetError(f"budget must be one of {sorted(BUDGETS)}, got {self.budget!r}")
+
     def scaled(self, **changes: object) -> Preset:
         return replace(self, **changes)  # type: ignore[arg-type]
+
+    def nominal_cap_h(self) -> float:
+        """The most nominal hours an execution can run: the budget itself when it caps work; under a
+        wall-clock budget, what a session could do in it at the fastest decode (w >= 1 - gen_fraction)."""
+        if self.budget == "work":
+            return self.timeout_h
+        return self.timeout_h / max(1e-9, 1.0 - self.gen_fraction)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +89,7 @@ class Workload:
 
     duration_s: np.ndarray  # nominal duration of each execution
     context_tokens: np.ndarray  # final context of each execution (its trained tokens)
-    timed_out: np.ndarray  # bool: cut by the time budget
+    timed_out: np.ndarray  # bool: cut by the time budget whatever the schedule (longer than nominal_cap_h)
     group_size: int
 
     @property
@@ -88,8 +108,9 @@ def sample_workload(preset: Preset, seed: int, *, n_queries: int | None = None) 
     difficulty = np.exp(preset.query_log_mean + preset.query_log_sd * rng.standard_normal(nq))
     s = preset.sample_log_sd
     noise = np.exp(s * rng.standard_normal((nq, g)) - s * s / 2)
-    hours = np.minimum(difficulty[:, None] * noise, preset.timeout_h).reshape(-1)
-    timed_out = (difficulty[:, None] * noise).reshape(-1) >= preset.timeout_h
+    cap_h = preset.nominal_cap_h()
+    hours = np.minimum(difficulty[:, None] * noise, cap_h).reshape(-1)
+    timed_out = (difficulty[:, None] * noise).reshape(-1) >= cap_h
     growth = context_growth_per_hour(preset)
     ctx = np.minimum(preset.prompt_tokens + growth * hours, preset.max_context_tokens)
     return Workload(
@@ -106,7 +127,7 @@ def context_growth_per_hour(preset: Preset, samples: int = 100_000) -> float:
     e = rng.standard_normal(samples)
     s = preset.sample_log_sd
     h = np.exp(preset.query_log_mean + preset.query_log_sd * z) * np.exp(s * e - s * s / 2)
-    h = np.minimum(h, preset.timeout_h)
+    h = np.minimum(h, preset.timeout_h)  # at the reference load a wall-clock budget is timeout_h nominal hours too
     lo, hi = 0.0, 100.0 * preset.max_context_tokens / max(1e-9, float(h.mean()))
     for _ in range(60):
         mid = (lo + hi) / 2
