@@ -237,6 +237,15 @@ def test_the_budget_caps_sampled_work_only_when_it_counts_work() -> None:
     assert wall.nominal_cap_h() == pytest.approx(wall.timeout_h / (1.0 - wall.gen_fraction))
 
 
+def test_cli_runs_the_preset_with_its_overrides_and_a_wall_clock_budget(tmp_path: Path) -> None:
+    args = ["--preset", "terminal", "--steps", "2", "--cells", "16", "--batch-queries", "16"]
+    result = CliRunner().invoke(sim_app, [*args, "--budget", "wall_clock", "--no-plots", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "report_terminal.json").read_text())
+    assert report["parameters"]["budget"] == "wall_clock" and report["parameters"]["cells"] == 16
+    assert all("budget_cuts" in m for m in report["policies"].values())
+
+
 def test_an_unknown_budget_is_a_clear_error() -> None:
     with pytest.raises(PresetError, match="budget must be one of"):
         get_preset("swe").scaled(budget="turns")
@@ -302,6 +311,10 @@ def test_sweep_reports_speedups_per_budget_and_cluster_size_and_draws_them(tmp_p
     for row in sweep["tail"] + sweep["cluster_size"]:
         assert row["elastic_vs_async"] > 0 and row["elastic_vs_colocate"] > 0
     assert (tmp_path / "sweep_terminal.png").stat().st_size > 10_000
+    # A preset with overrides is swept as given: sizes scale its cells, not the stock preset's.
+    small = get_preset("terminal").scaled(cells=32, budget="wall_clock")
+    again = run_sweep(small, steps=2, budgets=(1.0,), sizes=(0.25,))
+    assert [row["x"] for row in again["cluster_size"]] == [8]
 
 
 def test_the_clairvoyant_reference_is_deterministic_and_runs_under_the_rules_of_every_policy() -> None:

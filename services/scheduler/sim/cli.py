@@ -9,7 +9,7 @@ from typing import Any
 import typer
 
 from services.scheduler.policies import POLICY_NAMES
-from services.scheduler.sim.presets import preset_names
+from services.scheduler.sim.presets import get_preset, preset_names
 from services.scheduler.sim.runner import run_sim
 from services.scheduler.sim.workload import PresetError
 
@@ -33,9 +33,10 @@ def sim(
 ) -> None:
     """Simulate the preset under each policy and print the headline numbers as JSON."""
     names = tuple(p.strip() for p in policies.split(",") if p.strip())
+    overrides: dict[str, Any] = {"cells": cells, "batch_queries": batch_queries, "budget": budget}
     try:
-        overrides: dict[str, Any] = {k: v for k, v in {"cells": cells, "batch_queries": batch_queries, "budget": budget}.items() if v is not None}
-        report = run_sim(preset, steps, seed, out, policies=names, plots=plots, **overrides)
+        chosen = get_preset(preset).scaled(**{k: v for k, v in overrides.items() if v is not None})
+        report = run_sim(chosen, steps, seed, out, policies=names, plots=plots)
     except PresetError as exc:
         raise typer.BadParameter(str(exc)) from exc
     summary = {
@@ -48,7 +49,7 @@ def sim(
     if sweep:
         from services.scheduler.sim.sweep import run_sweep
 
-        result = run_sweep(preset, seed=seed, out_dir=out if plots else None)
-        (out / f"sweep_{preset}.json").write_text(json.dumps(result, indent=2))
-        summary["sweep"] = str(out / f"sweep_{preset}.json")
+        result = run_sweep(chosen, seed=seed, out_dir=out if plots else None)
+        (out / f"sweep_{chosen.name}.json").write_text(json.dumps(result, indent=2))
+        summary["sweep"] = str(out / f"sweep_{chosen.name}.json")
     typer.echo(json.dumps(summary))

@@ -8,10 +8,11 @@ from typing import Any
 from services.scheduler.sim.engine import SimOptions
 from services.scheduler.sim.presets import get_preset
 from services.scheduler.sim.runner import run_sim
+from services.scheduler.sim.workload import Preset
 
 
 def run_sweep(
-    preset: str,
+    preset: str | Preset,
     *,
     steps: int | None = 12,
     seed: int = 0,
@@ -26,7 +27,7 @@ def run_sweep(
     not the spread of the bulk, sets how long the slowest execution of a step runs. Cluster size
     scales cells and batch together, so the load per cell stays put.
     """
-    base = get_preset(preset)
+    base = get_preset(preset) if isinstance(preset, str) else preset
     opts = SimOptions(record_timeline=False, validate=False)
     rows_tail: list[dict[str, Any]] = []
     for f in budgets:
@@ -44,5 +45,5 @@ def run_sweep(
         from services.scheduler.sim.plots import plot_sweep
 
         out_dir.mkdir(parents=True, exist_ok=True)
-        plot_sweep(sweep, out_dir / f"sweep_{preset}.png")
+        plot_sweep(sweep, out_dir / f"sweep_{base.name}.png")
     return sweep
