@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -92,7 +93,7 @@ def test_elastic_parks_no_session_and_validates_every_decision() -> None:
 
 
 def test_the_async_split_always_holds_one_whole_query() -> None:
-    # Slow training sizes the rollout share to one cell, which holds 11 of a query's 16 sessions.
+    # Slow training sizes the rollout share to one cell, which admits 10 of a query's 16 sessions.
     base = get_preset("flagship")
     p = base.scaled(steps=base.max_staleness + 3, cells=8, batch_queries=1, train_tokens_per_cell_s=200.0)
     cells = async_rollout_cells(p, 2)
@@ -193,10 +194,10 @@ def test_unknown_preset_is_a_clear_error() -> None:
 # ---------------------------------------------------------------- the agent's time budget
 
 
-def one_query(hours: list[float], budget: str) -> tuple[Preset, Workload]:
+def one_query(hours: list[float], budget: str, timeout_h: float = 8.0, **changes: object) -> tuple[Preset, Workload]:
     """One query of len(hours) executions on two cells, contexts growing 50K tokens a nominal hour."""
     p = get_preset("flagship").scaled(
-        steps=1, batch_queries=1, group_size=len(hours), cells=2, budget=budget, timeout_h=8.0
+        steps=1, batch_queries=1, group_size=len(hours), cells=2, budget=budget, timeout_h=timeout_h, **changes
     )
     h = np.array(hours)
     ctx = (p.prompt_tokens + 50_000 * h).astype(np.int64)
@@ -219,12 +220,58 @@ def test_a_wall_clock_budget_ends_an_execution_at_its_deadline_with_the_work_it_
 
 
 def test_a_work_budget_lets_every_execution_finish_its_work() -> None:
-    p, w = one_query([1.0, 7.5], "work")
+    # The engine enforces no deadline under a work budget (the workload caps the work instead): an
+    # execution given 7.5 nominal hours under a 2-h budget still runs them all.
+    p, w = one_query([1.0, 7.5], "work", timeout_h=2.0)
     sim = Simulation(p, w, policies.ElasticPolicy())
     sim.run()
     assert sim.budget_cuts == 0
     assert sim.trained_tokens == int(w.context_tokens.sum())
     assert sim.step_times[0] / 3600.0 > 7.5 * DecodeLaw.of(p).a
+
+
+@dataclass
+class ParkAndMigrate:
+    """Puts both sessions of one query on the first cell, then migrates one away (slowly) and turns the
+    first cell to training, parking the other: both are off a rollout cell when their budget runs out."""
+
+    name: str = "park-and-migrate"
+    allows_parking: bool = True
+    moved_at: float | None = None
+
+    def decide(self, snap: policies.Snapshot) -> list[policies.Action]:
+        first, second = (c.cell_id for c in snap.cells)
+        rollout, train = policies.Role.ROLLOUT, policies.Role.TRAIN
+        if snap.now_s == 0.0:
+            return [policies.AssignCell(first, rollout), policies.AssignCell(second, rollout)]
+        if snap.queued and all(c.state is policies.CellState.ACTIVE for c in snap.cells):
+            q = snap.queued[0]
+            return [policies.DispatchQuery(q.query_id, 0, (first,) * q.group_size)]
+        if self.moved_at is None and snap.live and snap.now_s > 600.0:
+            self.moved_at = snap.now_s
+            e = snap.live[1]
+            return [policies.MigrateSession(e.execution_id, first, second), policies.AssignCell(first, train)]
+        return []
+
+
+def test_a_session_parked_or_in_migration_is_cut_at_its_deadline_with_the_work_it_had_done() -> None:
+    # 1e6 B/s: the migrating session's KV is still in flight when its 2-h budget runs out; slow training
+    # keeps the step (and the run) going until after the migration lands.
+    p, w = one_query([20.0, 20.0], "wall_clock", timeout_h=2.0, migration_bytes_per_s=1e6, train_tokens_per_cell_s=5.0)
+    policy = ParkAndMigrate()
+    sim = Simulation(p, w, policy, SimOptions(validate=False))
+    end_s = sim.run()
+    assert policy.moved_at is not None and policy.moved_at < 2 * 3600.0
+    assert sim.budget_cuts == 2
+    # Neither session progressed after it left the rollout cell: both hold the context they had then.
+    law = DecodeLaw.of(p)
+    most = p.prompt_tokens + 50_000 * policy.moved_at / 3600.0 / law.a
+    assert 2 * p.prompt_tokens < sim.trained_tokens <= 2 * most
+    # The KV landed after the cut (and was dropped); no cell still counts either session.
+    landed = [t for t, kind, *_ in sim.events if kind == 3]
+    assert not landed and end_s > 2 * 3600.0 + 60.0
+    for cell in sim.cells:
+        assert not cell.sessions and cell.a == 0.0 and cell.k == 0.0
 
 
 def test_the_budget_caps_sampled_work_only_when_it_counts_work() -> None:

@@ -31,8 +31,10 @@ from services.scheduler.policies import (
 )
 from services.scheduler.sim.workload import Preset, Workload
 
-# Event kinds, ordered so that simultaneous events resolve deterministically.
-_CELL, _SWITCH, _MIGRATED, _TRAIN, _STEP, _DECIDE, _DEADLINE = range(7)
+# Event kinds, ordered so that simultaneous events resolve deterministically: finishes first, then
+# budget deadlines (a session finishing at its deadline finished), and the policy last, so it never acts on a
+# session that ends at the same instant.
+_CELL, _DEADLINE, _SWITCH, _MIGRATED, _TRAIN, _STEP, _DECIDE = range(7)
 
 
 class SimulationError(RuntimeError):
@@ -530,32 +532,29 @@ class Simulation:
                 raise SimulationError(f"{self.policy.name}: passed the horizon at step {self.version}")
             self._account(t)
             self.t = t
-            match kind:
-                case 0:
-                    self._on_cell_event(a, b)
-                case 1:
-                    cell = self.cells[a]
-                    cell.state = CellState.ACTIVE
-                    self._recat(cell)
-                    self._reschedule(cell)
-                    self._set_train_cells()
-                    # Cells that become ready within a minute of each other are decided on together.
-                    self._request_decide(max(self.t, self.last_decide + 60.0))
-                case 2:
-                    s = self.sessions.get(a)
-                    if s is None:
-                        continue  # its budget ran out while its KV was in flight
+            if kind == _CELL:
+                self._on_cell_event(a, b)
+            elif kind == _DEADLINE:
+                self._on_deadline(a)
+            elif kind == _SWITCH:
+                cell = self.cells[a]
+                cell.state = CellState.ACTIVE
+                self._recat(cell)
+                self._reschedule(cell)
+                self._set_train_cells()
+                # Cells that become ready within a minute of each other are decided on together.
+                self._request_decide(max(self.t, self.last_decide + 60.0))
+            elif kind == _MIGRATED:
+                s = self.sessions.get(a)
+                if s is not None:  # None: its budget ran out while its KV was in flight
                     s.migrating = False
                     self._attach(s, self.cells[s.cell])
-                case 3:
-                    self._on_train_event(a)
-                case 4:
-                    self._on_step()
-                case 5:
-                    if t == self.next_decide:
-                        self._decide()
-                case 6:
-                    self._on_deadline(a)
+            elif kind == _TRAIN:
+                self._on_train_event(a)
+            elif kind == _STEP:
+                self._on_step()
+            elif kind == _DECIDE and t == self.next_decide:
+                self._decide()
         self._account(self.t)
         for c in self.cells:
             if self.o.record_timeline:

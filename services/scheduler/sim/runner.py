@@ -29,9 +29,12 @@ def async_rollout_cells(preset: Preset, seed: int) -> int:
         roll = rollout_cell_seconds(preset, w, preset.fill)
         train = float(w.context_tokens.sum()) / preset.train_tokens_per_cell_s
         share = roll / (roll + train)
-    # The pool must hold at least one query's group: a query is dispatched whole.
-    reserve = max(preset.mean_context_tokens, preset.kv_capacity_tokens / preset.max_sessions_per_cell)
-    per_cell = max(1, int(preset.kv_capacity_tokens * preset.fill // reserve))
+    # The pool must hold at least one query's group: a query is dispatched whole. Slots per cell are
+    # counted in bytes, as admission counts them (Simulation.reserve_bytes, Room.limit).
+    per_seq = preset.kv_capacity_tokens / preset.max_sessions_per_cell
+    reserve = int(max(preset.mean_context_tokens, per_seq) * preset.kv_bytes_per_token)
+    limit = int(int(preset.kv_capacity_tokens * preset.kv_bytes_per_token) * preset.fill)
+    per_cell = max(1, limit // reserve)
     smallest = math.ceil(preset.group_size / per_cell)
     return min(preset.cells - 1, max(smallest, round(share * preset.cells)))
 
