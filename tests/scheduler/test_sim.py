@@ -285,12 +285,15 @@ def test_the_budget_caps_sampled_work_only_when_it_counts_work() -> None:
 
 
 def test_cli_runs_the_preset_with_its_overrides_and_a_wall_clock_budget(tmp_path: Path) -> None:
-    args = ["--preset", "terminal", "--steps", "2", "--cells", "16", "--batch-queries", "16"]
+    args = ["--preset", "terminal", "--steps", "2", "--cells", "16", "--batch-queries", "16", "--sweep"]
     result = CliRunner().invoke(sim_app, [*args, "--budget", "wall_clock", "--no-plots", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "report_terminal.json").read_text())
     assert report["parameters"]["budget"] == "wall_clock" and report["parameters"]["cells"] == 16
     assert all("budget_cuts" in m for m in report["policies"].values())
+    # The sweep scales the overridden cluster (16 cells), not the stock preset's 64.
+    sweep = json.loads((tmp_path / "sweep_terminal.json").read_text())
+    assert [row["x"] for row in sweep["cluster_size"]] == [8, 16, 32]
 
 
 def test_an_unknown_budget_is_a_clear_error() -> None:

@@ -28,7 +28,7 @@ def sim(
     budget: str | None = typer.Option(
         None, help="how the agent's time budget ends an execution: work (nominal hours) or wall_clock (default: work)"
     ),
-    sweep: bool = typer.Option(False, help="also sweep tail heaviness and cluster size"),
+    sweep: bool = typer.Option(False, help="also sweep tail heaviness and cluster size (--steps steps a point, default 12)"),
     plots: bool = typer.Option(True, help="write the timeline (and sweep) images"),
 ) -> None:
     """Simulate the preset under each policy and print the headline numbers as JSON."""
@@ -49,7 +49,8 @@ def sim(
     if sweep:
         from services.scheduler.sim.sweep import run_sweep
 
-        result = run_sweep(chosen, seed=seed, out_dir=out if plots else None)
+        # The sweep runs `--steps` steps per point when given, else its own default (12).
+        result = run_sweep(chosen, seed=seed, out_dir=out if plots else None, **({"steps": steps} if steps else {}))
         (out / f"sweep_{chosen.name}.json").write_text(json.dumps(result, indent=2))
         summary["sweep"] = str(out / f"sweep_{chosen.name}.json")
     typer.echo(json.dumps(summary))

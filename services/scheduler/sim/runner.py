@@ -114,8 +114,8 @@ def run_sim(
 ) -> dict[str, Any]:
     """Simulate `policies` on a preset (optionally with fewer steps or other overrides); write the report.
 
-    Returns the report dict; with `out_dir`, also writes `report.json`, `timeline.png` (per-cell roles
-    of every policy) there.
+    Returns the report dict; with `out_dir`, also writes `report_<preset>.json` and, with `plots`,
+    `timeline_<preset>.png` (per-cell roles of every policy) there.
     """
     p = get_preset(preset) if isinstance(preset, str) else preset
     if steps is not None:
