@@ -47,10 +47,10 @@ def sim(
         "report": str(out / f"report_{report['preset']}.json"),
     }
     if sweep:
-        from services.scheduler.sim.sweep import run_sweep
+        from services.scheduler.sim.sweep import SWEEP_STEPS, run_sweep
 
         # The sweep runs `--steps` steps per point when given, else its own default (12).
-        result = run_sweep(chosen, seed=seed, out_dir=out if plots else None, **({"steps": steps} if steps else {}))
+        result = run_sweep(chosen, steps=steps or SWEEP_STEPS, seed=seed, out_dir=out if plots else None)
         (out / f"sweep_{chosen.name}.json").write_text(json.dumps(result, indent=2))
         summary["sweep"] = str(out / f"sweep_{chosen.name}.json")
     typer.echo(json.dumps(summary))

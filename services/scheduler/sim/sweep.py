@@ -11,10 +11,13 @@ from services.scheduler.sim.runner import run_sim
 from services.scheduler.sim.workload import Preset
 
 
+SWEEP_STEPS = 12  # steps a sweep point runs unless told otherwise: enough for the pipeline to fill
+
+
 def run_sweep(
     preset: str | Preset,
     *,
-    steps: int | None = 12,
+    steps: int | None = SWEEP_STEPS,
     seed: int = 0,
     budgets: tuple[float, ...] = (0.5, 0.75, 1.0, 1.5),
     sizes: tuple[float, ...] = (0.5, 1.0, 2.0),
