@@ -161,7 +161,7 @@ def lower_bound(preset: Preset, w: Workload, options: SimOptions | None = None) 
     per_batch = preset.batch_queries * preset.group_size
     alone = alone_seconds(preset, w, lag).reshape(preset.steps, per_batch)
     tok = w.context_tokens.reshape(preset.steps, per_batch).astype(np.float64)
-    # Each scenario gives per batch (training time at full width, earliest ready time after dispatch).
+    # A scenario gives per batch (training time at full width, earliest ready time after dispatch).
     full_train = tok.sum(axis=1) / (n * tpc)
     if preset.stream_training:
         # Each execution's tokens can be trained as soon as it finishes (from version b on).
@@ -169,17 +169,19 @@ def lower_bound(preset: Preset, w: Workload, options: SimOptions | None = None) 
     else:
         # Tree packing spans the batch: training starts when its slowest execution has finished.
         ready = alone.max(axis=1) + full_train
-    scenarios = [(full_train, ready)]
     slowest = alone.max(axis=1)
+    scenarios = []
     if wall_clock:
         budget_s = preset.timeout_h * HOUR
         # Finishing every execution's work is impossible where one cannot finish even alone.
         ready = np.where(slowest > budget_s, np.inf, ready)
-        scenarios = [(full_train, ready)]
+        # Or one execution is cut: the batch ends no earlier than the budget, then trains its prompts
+        # (streaming: only the cut one's is left).
         prompts = np.full(preset.steps, per_batch * l0 / (n * tpc))
-        cut_ready = budget_s + (l0 / (n * tpc) if preset.stream_training else prompts)
-        scenarios.append((prompts, cut_ready + np.zeros(preset.steps)))
+        after_cut = np.full(preset.steps, l0 / (n * tpc)) if preset.stream_training else prompts
+        scenarios.append((prompts, budget_s + after_cut))
         slowest = np.minimum(slowest, budget_s)
+    scenarios.append((full_train, ready))
     k = preset.max_staleness
     version_t = [0.0]
     for step in range(preset.steps):

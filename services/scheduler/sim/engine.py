@@ -29,7 +29,7 @@ from services.scheduler.policies import (
     TrainerView,
     apply_actions,
 )
-from services.scheduler.sim.workload import Preset, Workload
+from services.scheduler.sim.workload import HOUR, Preset, Workload
 
 # Event kinds, ordered so that simultaneous events resolve deterministically: finishes first, then
 # budget deadlines (a session finishing at its deadline finished), and the policy last, so it never acts on a
@@ -284,30 +284,15 @@ class Simulation:
 
     def _on_deadline(self, sid: int) -> None:
         """A wall-clock budget ran out: the execution ends with the work it has done (graded as preserved)."""
-        s = self.sessions.get(sid)
+        s = self.sessions.pop(sid, None)
         if s is None:
             return  # finished in time
-        cell: _Cell | None = None
-        if s.migrating:
-            done = s.done
-        else:
-            cell = self.cells[s.cell]
-            self._advance(cell)
-            done = cell.v - s.vstart
-            cell.a -= s.l0 - s.slope * s.vstart
-            cell.k -= s.slope
-            cell.sessions.discard(sid)
-            if not cell.sessions:
-                cell.a = cell.k = 0.0
-        s.epoch += 1
-        del self.sessions[sid]
         self.view_cache.pop(sid, None)
-        s.final_tokens = int(s.l0 + s.slope * min(max(0.0, done), s.duration))
+        if not s.migrating:  # a session in flight was detached (its progress kept) when it left its cell
+            self._detach(s)
+        s.final_tokens = int(s.l0 + s.slope * min(max(0.0, s.done), s.duration))
         self.budget_cuts += 1
         self._finish(s)
-        if cell is not None:
-            self._recat(cell)
-            self._reschedule(cell)
 
     def _finish(self, s: _Session) -> None:
         eid = f"s{s.sid}"
@@ -516,7 +501,7 @@ class Simulation:
                     self.sessions[row] = s
                     self._attach(s, self.cells[by_id(cid)])
                     if self.p.budget == "wall_clock":
-                        self._push(self.t + self.p.timeout_h * 3600.0, _DEADLINE, row)
+                        self._push(self.t + self.p.timeout_h * HOUR, _DEADLINE, row)
 
     def _cell_index(self, cell_id: str) -> int:
         return int(cell_id[1:])
