@@ -37,6 +37,14 @@ from services.scheduler.sim.workload import HOUR, Preset, Workload
 _CELL, _DEADLINE, _SWITCH, _MIGRATED, _TRAIN, _STEP, _DECIDE = range(7)
 
 
+def session_reserve_bytes(preset: Preset) -> int:
+    """KV admission reserves for each session: what an average session grows to, so growth does not
+    overflow a full cell. The engine's concurrency limit is expressed as the same reserve, so one
+    number admits."""
+    per_seq = preset.kv_capacity_tokens / preset.max_sessions_per_cell
+    return int(max(preset.mean_context_tokens, per_seq) * preset.kv_bytes_per_token)
+
+
 class SimulationError(RuntimeError):
     """The model reached a state it cannot continue from (e.g. a policy that never trains)."""
 
@@ -117,10 +125,7 @@ class Simulation:
         self.train_stamp = 0
         self.in_overhead = False
         self.per_batch = preset.batch_queries * preset.group_size
-        # Admission reserves what an average session grows to, so growth does not overflow a full cell.
-        # The engine's concurrency limit is expressed as the same reserve, so one number admits.
-        per_seq = preset.kv_capacity_tokens / preset.max_sessions_per_cell
-        self.reserve_bytes = int(max(preset.mean_context_tokens, per_seq) * preset.kv_bytes_per_token)
+        self.reserve_bytes = session_reserve_bytes(preset)
         self.next_decide = math.inf
         self.last_decide = -math.inf
         self.n_train_active = 0
