@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import multiprocessing as mp
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -19,6 +21,7 @@ CONFIG = TrainerConfig(lr=1e-3, grad_clip=1.0, loss=GspoConfig(eps_low=0.2, eps_
 def _worker(rank: int, phases: list[tuple[int, int, int]], model_dir: str, ckpt: str, out: str) -> None:
     from tests.trainer.trainer_trees import make_batch
 
+    faulthandler.enable()  # an abort inside the run prints every thread's Python stack
     torch.set_num_threads(1)
     losses: list[float] = []
     reforms: list[dict[str, float]] = []
@@ -39,6 +42,12 @@ def _worker(rank: int, phases: list[tuple[int, int, int]], model_dir: str, ckpt:
         trainer.close()
     if rank == 0:
         Path(out, "result.json").write_text(json.dumps({"losses": losses, "reforms": reforms}))
+    # The rank's work is done and written. Leave without the interpreter's teardown: in one full-suite
+    # run a rank that had left its group cleanly still died with SIGABRT ("terminate called without
+    # an active exception") while native threads were torn down at exit.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_phases(phases: list[tuple[int, int]], model_dir: Path, workdir: Path) -> dict:
