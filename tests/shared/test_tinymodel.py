@@ -319,7 +319,7 @@ def test_model_info_of_a_directory_without_config_raises(tmp_path: Path) -> None
 
 _VLLM_SCRIPT = textwrap.dedent(
     """
-    import json, sys
+    import json, os, sys
     from vllm import LLM, SamplingParams
 
     if __name__ == "__main__":
@@ -334,6 +334,12 @@ _VLLM_SCRIPT = textwrap.dedent(
             [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
         with open(out_path, "w") as f:
             json.dump({"token_ids": list(out.token_ids), "logprobs": logprobs, "chat": chat}, f)
+        # Written. Stop the engine ourselves and skip the interpreter's teardown, where vLLM's engine
+        # client can abort ("terminate called without an active exception"; tests/trainer/vllm_reload_check.py).
+        llm.llm_engine.engine_core.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     """
 )
 
