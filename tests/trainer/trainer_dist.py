@@ -43,8 +43,8 @@ def _worker(rank: int, phases: list[tuple[int, int, int]], model_dir: str, ckpt:
     if rank == 0:
         Path(out, "result.json").write_text(json.dumps({"losses": losses, "reforms": reforms}))
     # The rank's work is done and written. Leave without the interpreter's teardown: in one full-suite
-    # run a rank that had left its group cleanly still died with SIGABRT ("terminate called without
-    # an active exception") while native threads were torn down at exit.
+    # run a rank died with SIGABRT ("terminate called without an active exception") after the whole
+    # run had completed on both ranks, most likely as native threads were torn down at exit.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
