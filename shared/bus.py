@@ -243,9 +243,11 @@ class Bus:
                 durable_name=name,
                 ack_policy=AckPolicy.EXPLICIT,
                 deliver_policy=DeliverPolicy.ALL,
+                # No server-side `backoff`: the server would replace `ack_wait` with its first entry and
+                # redeliver a message whose handler is still running. Failed handlers nak with the backoff
+                # delays themselves (`handle_one`); `ack_wait` only covers a consumer that died holding one.
                 ack_wait=options.ack_wait_s,
                 max_deliver=options.max_deliver,
-                backoff=list(options.backoff_s) if options.backoff_s else None,
                 filter_subjects=several,
                 filter_subject=single,
                 max_ack_pending=max(options.batch * 4, 1000),
@@ -414,7 +416,11 @@ class JetStreamConsumer:
                 await asyncio.sleep(0.25)
                 continue
             for msg in msgs:
-                await self.handle_one(msg, handler)
+                try:
+                    await self.handle_one(msg, handler)
+                except Exception:  # e.g. a dead-letter publish or an ack lost to a reconnect: not acked, so
+                    # the server delivers the message again after `ack_wait`; the loop must not die with it
+                    log.exception("delivery_failed", consumer=self.name, subject=msg.subject)
 
     async def handle_one(self, msg: Msg, handler: Handler) -> None:
         try:

@@ -312,8 +312,8 @@ class Event(_Frozen):
     def _typed_data(cls, body: Any) -> Any:
         """Validate a `data` object as the payload model its `type` names (the bytes-to-event fast path);
         an unknown type or schema version fails here and `parse_event` names the error."""
-        if isinstance(body, dict) and isinstance(body.get("data"), dict):
-            payload = REGISTRY.get(body.get("type"))  # type: ignore[arg-type]
+        if isinstance(body, dict) and isinstance(body.get("data"), dict) and isinstance(body.get("type"), str):
+            payload = REGISTRY.get(body["type"])
             if payload is None:
                 raise ValueError(f"unknown event type {body.get('type')!r}")
             version = body.get("schema_version")
@@ -378,6 +378,8 @@ def parse_event(raw: bytes | str | dict[str, Any]) -> Event:
             body = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise InvalidEventPayload(f"not JSON: {exc}") from exc
+        except RecursionError as exc:  # nesting deeper than any event has
+            raise InvalidEventPayload("not JSON: nested too deeply") from exc
     else:
         body = dict(raw)
     if not isinstance(body, dict):

@@ -55,6 +55,7 @@ class Service:
         self.stop_event = asyncio.Event()
         self._handlers: list[tuple[str, list[str], EventHandler, ConsumerOptions]] = []
         self._tasks: list[asyncio.Task[Any]] = []
+        self.failed_tasks: list[str] = []  # names of spawned tasks that ended with an error
         self._health_server: asyncio.base_events.Server | None = None
         self.started_at = time.monotonic()
         self.processed = 0
@@ -92,7 +93,16 @@ class Service:
         task = asyncio.ensure_future(coro)
         task.set_name(name)
         self._tasks.append(task)
+        task.add_done_callback(self._task_ended)
         return task
+
+    def _task_ended(self, task: asyncio.Task[Any]) -> None:
+        """A consumer or background task that dies with an error leaves the process up but not working:
+        log it and report the service unhealthy, so a supervisor can restart it (it resumes from the log)."""
+        if task.cancelled() or (exc := task.exception()) is None:
+            return
+        self.failed_tasks.append(task.get_name())
+        self.log.error("task_failed", task=task.get_name(), error=f"{type(exc).__name__}: {exc}")
 
     async def connect(self) -> None:
         s = self.settings
@@ -200,9 +210,10 @@ class Service:
             await reader.readuntil(b"\r\n\r\n")
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError):
             pass
-        ok = self.bus is not None and self.bus.nc.is_connected and not self.stop_event.is_set()
+        ok = (self.bus is not None and self.bus.nc.is_connected and not self.stop_event.is_set()
+              and not self.failed_tasks)
         body = json.dumps(
-            {"service": self.name, "ok": ok, "processed": self.processed,
+            {"service": self.name, "ok": ok, "processed": self.processed, "failed_tasks": self.failed_tasks,
              "uptime_s": round(time.monotonic() - self.started_at, 1), **self.health()}
         ).encode()
         status = b"200 OK" if ok else b"503 Service Unavailable"

@@ -231,6 +231,46 @@ async def test_malformed_payloads_are_dead_lettered_with_a_reason(nbus: Bus, pay
     assert reason in letters[0][1][DLQ_REASON]
 
 
+async def test_a_failure_outside_the_handler_loses_neither_the_loop_nor_the_message(nbus: Bus, monkeypatch):
+    """The dead-letter publish fails once (the server away mid-reconnect, say): the consumer goes on with the
+    next event, and the unacknowledged payload comes back after ack_wait and is dead-lettered then."""
+    bad = b'{"type": ["cell.assigned"], "schema_version": 1, "data": {}}'
+    await nbus.publish_raw(nbus.subject("cell.assigned"), bad, msg_id="bad")
+    good = assigned()
+    await nbus.publish(good)
+    real = nbus.dead_letter
+    attempts = []
+
+    async def flaky(consumer, msg, reason):  # noqa: ANN001, ANN202
+        attempts.append(reason)
+        if len(attempts) == 1:
+            raise ConnectionError("publish lost")
+        await real(consumer, msg, reason)
+
+    monkeypatch.setattr(nbus, "dead_letter", flaky)
+    handled: list[Event] = []
+
+    async def handler(event, msg):
+        handled.append(event)
+
+    async def done():
+        while not (handled and await nbus.read_dead_letters("sturdy", timeout=0.2)):
+            await asyncio.sleep(0.05)
+
+    await consume_until(nbus, "sturdy", ["cell.assigned"], handler, done)
+    assert handled == [good] and len(attempts) == 2
+    assert [d for d, _ in await nbus.read_dead_letters("sturdy")] == [bad]
+
+
+async def test_the_server_keeps_the_consumers_ack_wait(nbus: Bus):
+    """Redelivery of a message whose handler is still running waits `ack_wait`; a server-side backoff
+    list would replace it with its first delay."""
+    (consumer,) = await nbus.consumer("patient", ["cell.assigned"], FAST)
+    info = await nbus.js.consumer_info(nbus.stream_name("cell"), "patient-cell")
+    await consumer.sub.unsubscribe()
+    assert info.config.ack_wait == FAST.ack_wait_s and not info.config.backoff
+
+
 async def test_request_reply(nbus: Bus):
     async def echo(data: bytes) -> bytes:
         return data[::-1]

@@ -105,7 +105,12 @@ def test_invalid_payloads_name_the_field(mutate, fragment, encode):
         parse_event(encode(body))
 
 
-@pytest.mark.parametrize("raw", [b"not json", b"[1,2]", b"{}", b'{"type": 3}', b"\xff\xfe"])
+@pytest.mark.parametrize("raw", [
+    b"not json", b"[1,2]", b"{}", b'{"type": 3}', b"\xff\xfe",
+    b'{"type": ["cell.released"], "schema_version": 1, "data": {}}',  # unhashable: no registry lookup
+    b'{"type": {"a": 1}, "data": {}}',
+    b"[" * 100_000 + b"]" * 100_000,  # deeper than any parser's recursion
+])
 def test_garbage_is_an_invalid_payload(raw):
     with pytest.raises(InvalidEventPayload):
         parse_event(raw)

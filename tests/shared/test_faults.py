@@ -227,3 +227,37 @@ async def test_a_service_handles_its_own_run_only(store, bus, infra: Infra):
     effects = [s.event.stream_id for s in await store.read_after(0) if s.event.stream_id.startswith("cell-effect-")]
     assert sorted(effects) == sorted(f"cell-effect-{e.event_id}" for e in mine)
     assert (service.processed, service.skipped_other_runs) == (2, 3)
+
+
+async def test_a_background_task_that_dies_makes_the_service_unhealthy(store, bus, infra: Infra):
+    """A consumer or background task ending in an error would leave the process up but idle: the health
+    endpoint must say so (503, naming the task), so a supervisor restarts it and it resumes from the log."""
+    from shared.local import free_port
+
+    class Broken(EffectService):
+        async def setup(self) -> None:
+            await super().setup()
+
+            async def worker() -> None:
+                raise RuntimeError("worker fell over")
+
+            self.spawn(worker(), name="worker")
+
+    port = free_port()
+    settings = Settings(
+        database_url=infra.database_url, nats_url=infra.nats_url, db_schema=store.schema,
+        subject_prefix=bus.prefix, run_id=unique("sick"), health_port=port,
+    )
+    service = Broken(settings)
+    await service.start()
+    try:
+        await asyncio.sleep(0.2)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        await writer.drain()
+        reply = await reader.read()
+        writer.close()
+    finally:
+        await service.stop()
+    assert reply.startswith(b"HTTP/1.1 503")
+    assert service.failed_tasks == ["worker"] and b'"failed_tasks": ["worker"]' in reply
