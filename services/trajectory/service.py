@@ -10,6 +10,7 @@ from typing import Any
 
 from services.trajectory.state import (
     CONSUMED_TYPES,
+    ExecutionState,
     BatchParams,
     LogError,
     RunLog,
@@ -53,6 +54,8 @@ class TrajectoryService(Service):
         super().__init__(*args, **kwargs)
         self.run_log = RunLog()
         self.trees: dict[str, TrajectoryTree] = {}
+        # What each cached tree was built from: a later end event may still change an execution's calls.
+        self.tree_inputs: dict[str, tuple[int | None, int]] = {}
         self.blobs: dict[str, bytes] = {}
         s = self.settings
         self.params = BatchParams(
@@ -92,6 +95,7 @@ class TrajectoryService(Service):
             # The step is done: its trees are no longer needed in memory (replay rebuilds them from the log).
             for done in self.run_log.step_execution_ids(event.data.step):
                 self.trees.pop(done, None)
+                self.tree_inputs.pop(done, None)
             return
         execution_id = getattr(event.data, "execution_id", None)
         if isinstance(execution_id, str):
@@ -106,8 +110,10 @@ class TrajectoryService(Service):
 
     async def _maybe_build(self, execution_id: str) -> None:
         state = self.run_log.executions.get(execution_id)
-        if state is None or execution_id in self.trees or not (state.ended and state.has_all_calls):
+        if state is None or not (state.ended and state.has_all_calls):
             return
+        if self.tree_inputs.get(execution_id) == _tree_inputs(state):
+            return  # built from this end already; another end event (state.RunLog._end) means a rebuild
         if state.step is not None and state.step in self.run_log.batches:
             return  # its step's batch is already committed
         refs = self.run_log.blob_refs([execution_id])
@@ -120,6 +126,7 @@ class TrajectoryService(Service):
             self.log.error("tree_build_failed", execution_id=execution_id, error=str(exc))
             return
         self.trees[execution_id] = tree
+        self.tree_inputs[execution_id] = _tree_inputs(snapshot)
         for ref in refs:  # token blobs are only needed until the tree exists
             self.blobs.pop(ref.digest, None)
         stats = tree.stats()
@@ -138,8 +145,7 @@ class TrajectoryService(Service):
                 self.run_log.apply(existing[0].event)
                 continue
             ids = self.run_log.step_execution_ids(step)
-            missing = [e for e in ids if e not in self.trees]
-            for execution_id in missing:
+            for execution_id in ids:  # builds the missing trees and any an end event has made stale
                 await self._maybe_build(execution_id)
             try:
                 # Synchronous on purpose: the fold must not change under it (trees are already built).
@@ -157,6 +163,12 @@ class TrajectoryService(Service):
             self.log.info("batch_ready", step=step, digest=ref.digest, executions=len(batch.executions),
                           micro_batches=len(batch.micro_batches), **{k: v for k, v in batch.meta.items()
                                                                      if isinstance(v, int)})
+
+
+def _tree_inputs(state: ExecutionState) -> tuple[int | None, int]:
+    """What an execution's tree depends on beyond its (immutable) call records: the calls its end reported
+    and the branch labels seen."""
+    return state.ended_calls, len(state.labels)
 
 
 if __name__ == "__main__":

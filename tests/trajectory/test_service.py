@@ -191,3 +191,49 @@ async def test_service_process_killed_mid_run_resumes_without_missing_or_duplica
                 blobs[ref.digest] = await store.get_blob(ref)
     report = verify(history, lambda ref: blobs[ref.digest], Selection(run=run_id))
     assert all(b.live_digest == b.rebuilt_digest for b in report.batches) and len(report.batches) == 3
+
+
+@pytest.mark.timeout(120)
+async def test_a_later_end_event_rebuilds_the_tree_its_batch_trains(store, bus, infra: Infra) -> None:
+    """A crash mark ends an execution at one call; the agent then records a second call and ends on its own,
+    which outranks the mark (`RunLog._end`). The batch must train both calls, as replay does, not the tree
+    built when the mark arrived."""
+    run_id = unique("trajend")
+    settings = Settings(
+        database_url=infra.database_url, nats_url=infra.nats_url, db_schema=store.schema,
+        subject_prefix=bus.prefix, run_id=run_id, micro_batch_tokens=64, cap_k=4, drop_zero_variance=False,
+    )
+    events: list[Event] = [new_event(
+        QueryDispatched(query_id="q", task_id="t", group_size=2, seeds=[0, 1], step=0, policy_version=0),
+        run_id=run_id, stream_id=f"query-{run_id}-q", version=1, occurred_at=EPOCH, event_id=stable_uuid(run_id, "q"),
+    )]
+    blobs: dict[str, bytes] = {}
+    for i in range(2):
+        log = ExecutionLog(f"{run_id}-e{i}", query_id="q", run_id=run_id, group_size=2, sample_index=i, step=0)
+        log.start()
+        first = log.call(SYS + [10 + i], [20 + i, 21])
+        if i == 1:
+            log.time_out(elapsed_s=5.0, budget="crash")  # calls=1: the tree can be built from here
+            log.call(log.sequence(first.call_index).tolist() + [30], [31, 32])
+        log.finish()
+        log.score(float(i))
+        events += log.events
+        blobs.update(log.blobs)
+    relay = RunningRelay(store, bus, infra)
+    service = FastTrajectoryService(settings)
+    try:
+        await service.start()
+        await write(store, events, blobs)
+        found = await wait_for_batches(store, run_id, 1)
+    finally:
+        await service.stop()
+        await relay.stop()
+    assert len(found) == 1
+    history = [s.event for s in await store.read_all(run_id=run_id)]
+    blobs[found[0].data.batch.digest] = await store.get_blob(found[0].data.batch)
+    report = verify(history, lambda ref: blobs[ref.digest], Selection(run=run_id))
+    (only,) = report.batches
+    assert only.live_digest == only.rebuilt_digest
+    batch = TrainingBatch.decode(blobs[only.live_digest])
+    trained = {e.execution_id: e for e in batch.executions}
+    assert trained[f"{run_id}-e1"].num_targets == 4  # both calls' completion tokens, not the first call's 2
