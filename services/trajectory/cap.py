@@ -1,7 +1,7 @@
 """The trajectory cap: keep at most K root-to-leaf trajectories per execution (SPEC §5).
 
 Greedy and deterministic: repeatedly keep the leaf whose path holds the most not-yet-covered target tokens,
-ties broken by the earliest call (the call that created the leaf). Targets on no kept path are not trained.
+ties broken by the earliest call (the call the leaf's last token came from). Targets on no kept path are not trained.
 """
 
 from __future__ import annotations
@@ -62,8 +62,10 @@ def select_leaves(tree: TrajectoryTree, k: int) -> list[int]:
     leaves = tree.leaves()
     if leaves.size == 0:
         return []
-    # Leaf order = creating call, so argmax (first maximum) implements "ties by earliest call".
-    leaves = leaves[np.lexsort((leaves, tree.node_first_call[leaves]))]
+    # Leaf order = the call its last token came from, so argmax (first maximum) implements "ties by earliest
+    # call". Not the node's first call: merging single-child runs makes that depend on unrelated branches.
+    ending_call = tree.call_index[tree.node_start[leaves] + tree.node_len[leaves] - 1]
+    leaves = leaves[np.lexsort((leaves, ending_call))]
     remaining = node_target_counts(tree)
     available = np.ones(leaves.shape[0], dtype=bool)
     chosen: list[int] = []

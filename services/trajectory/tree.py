@@ -500,8 +500,8 @@ class TreeBuilder:
         shared = self._shared_len(index, head)
         head_len = self._ends[head][1]
         prompt = record.prompt_len
-        if shared >= head_len:
-            return "continuation"
+        if shared >= head_len and prompt >= head_len:
+            return "continuation"  # the prompt extends the previous call's whole sequence
         if shared >= prompt:
             return "retry"  # the whole prompt lies on the previous call's path: a re-sample from it
         if shared >= 1 and self._is_target_at(head, shared) and self._is_target_at(head, shared - 1):

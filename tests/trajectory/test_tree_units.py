@@ -63,6 +63,13 @@ def test_retry_branch_shares_prefix_with_original() -> None:
     assert tree.call_index[first] == 0  # the first generator keeps the attribution
 
 
+def test_a_retry_that_regenerates_the_previous_completion_and_more_is_still_a_retry() -> None:
+    log = ExecutionLog("e")
+    log.call(SYS + [ASSIST], [1])  # cut short (a length limit, a timeout)
+    log.call(SYS + [ASSIST], [1, 2, 3])  # the same prompt again: its completion happens to begin the same way
+    assert kinds(log) == ["root", "retry"]
+
+
 def test_compaction_replaces_context_with_a_shorter_summary() -> None:
     log = ExecutionLog("e")
     log.call(SYS + TASK + [ASSIST], [1, 2, 3, 4])
@@ -164,6 +171,20 @@ def test_cap_keeps_most_uncovered_targets_ties_by_earliest_call() -> None:
     assert result.kept_targets == 6 and result.dropped_targets == 3 and result.dropped_trajectories == 2
     assert sorted(result.tree.tokens[result.tree.is_target].tolist()) == [1, 2, 3, 5, 6, 7]
     assert result.tree.stats().trajectories == 2
+
+
+def test_cap_tie_break_does_not_move_with_an_unrelated_branch() -> None:
+    """Two leaves tie; a later call that splits a node on one of their paths (and adds fewer targets than
+    either) must not change which one is kept."""
+    log = ExecutionLog("e")
+    log.call([1], [2])
+    log.call([1], [5, 6, 7])  # 3 targets on its leaf, ending with call 1
+    log.call([1, 2, 9], [10, 11])  # with 2: 3 targets on its path, ending with call 2
+    before = cap_tree(build_tree("e", log.records), 1).tree
+    log.call([1, 2], [20])  # splits [2, 9, 10, 11] into [2] → {[9, 10, 11], [20]}
+    after = cap_tree(build_tree("e", log.records), 1).tree
+    kept = [sorted(t.tokens[t.is_target].tolist()) for t in (before, after)]
+    assert kept == [[5, 6, 7], [5, 6, 7]]
 
 
 def test_cap_counts_shared_targets_once() -> None:
