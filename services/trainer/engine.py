@@ -6,6 +6,8 @@ tokens) and runs the same number of forward/backward passes so FSDP's collective
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from services.trainer.distributed import (
     ReformTiming,
     apply_fsdp,
     balance_micro_batches,
+    discard_gradients,
     full_state_dict,
     init_group,
     latest_checkpoint,
@@ -165,6 +168,18 @@ class Trainer:
             dist.all_reduce(t, op=op)
         return t
 
+    @contextmanager
+    def _discarding_gradients_on_failure(self) -> Iterator[None]:
+        """Around a step's backward passes and optimiser step. Should a pass fail part-way (an OOM in one
+        micro-batch, say), the gradients the earlier passes accumulated are dropped, so that the batch's
+        redelivery trains every target once, not the first passes' targets twice."""
+        try:
+            yield
+        except BaseException:
+            discard_gradients(self.model)
+            self.optimizer.zero_grad(set_to_none=True)
+            raise
+
     def step(self, batch: TrainingBatch) -> dict[str, float]:
         """One GSPO optimiser step over the whole batch (all ranks call it with the same batch)."""
         num_exec = len(batch.executions)
@@ -208,44 +223,45 @@ class Trainer:
         stats = torch.zeros(5, dtype=torch.float64, device=dev)  # targets, sum w, truncated, |old-mu|, staleness
         maxes = torch.full((2,), -1e30, dtype=torch.float64, device=dev)  # max w, max staleness
         after_sums = torch.zeros(num_exec, dtype=torch.float64, device=dev)
-        for i, (t, real) in enumerate(passes):
-            set_gradient_sync(self.model, i == len(passes) - 1)
-            lp = self._logprobs(t)
-            if real:
-                o = old[i] if old[i] is not None else t.behaviour_logprob
-                terms = gspo_loss(
-                    lp,
-                    o,  # type: ignore[arg-type]
-                    t.behaviour_logprob,
-                    t.target_exec,
-                    advantages,
-                    counts,
-                    num_executions=executions_with_targets,
-                    log_ratio_sums=ratio_sums,
-                    config=self.config.loss,
-                )
-                loss = terms.loss
-                after_sums += execution_log_ratio_sums(lp, o, t.target_exec, num_exec)  # type: ignore[arg-type]
-                stale = (self.policy_version - t.policy_version).double()
-                n = lp.shape[0]
-                stats += torch.stack(
-                    [
-                        torch.tensor(float(n), dtype=torch.float64, device=dev),
-                        terms.is_weight.sum(),
-                        terms.is_truncated.double().sum(),
-                        (o.double() - t.behaviour_logprob.double()).abs().sum(),  # type: ignore[union-attr]
-                        stale.sum(),
-                    ]
-                )
-                if n:
-                    maxes = torch.maximum(maxes, torch.stack([terms.is_weight.max(), stale.max()]))
-            else:
-                loss = lp.sum()  # zero, but connected to every parameter
-            (loss * scale).backward()
-            loss_sum += loss.detach().double()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with self._discarding_gradients_on_failure():
+            for i, (t, real) in enumerate(passes):
+                set_gradient_sync(self.model, i == len(passes) - 1)
+                lp = self._logprobs(t)
+                if real:
+                    o = old[i] if old[i] is not None else t.behaviour_logprob
+                    terms = gspo_loss(
+                        lp,
+                        o,  # type: ignore[arg-type]
+                        t.behaviour_logprob,
+                        t.target_exec,
+                        advantages,
+                        counts,
+                        num_executions=executions_with_targets,
+                        log_ratio_sums=ratio_sums,
+                        config=self.config.loss,
+                    )
+                    loss = terms.loss
+                    after_sums += execution_log_ratio_sums(lp, o, t.target_exec, num_exec)  # type: ignore[arg-type]
+                    stale = (self.policy_version - t.policy_version).double()
+                    n = lp.shape[0]
+                    stats += torch.stack(
+                        [
+                            torch.tensor(float(n), dtype=torch.float64, device=dev),
+                            terms.is_weight.sum(),
+                            terms.is_truncated.double().sum(),
+                            (o.double() - t.behaviour_logprob.double()).abs().sum(),  # type: ignore[union-attr]
+                            stale.sum(),
+                        ]
+                    )
+                    if n:
+                        maxes = torch.maximum(maxes, torch.stack([terms.is_weight.max(), stale.max()]))
+                else:
+                    loss = lp.sum()  # zero, but connected to every parameter
+                (loss * scale).backward()
+                loss_sum += loss.detach().double()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
 
         self._all_reduce(loss_sum)
         self._all_reduce(stats)
@@ -289,15 +305,16 @@ class Trainer:
         passes = self._local_passes(micro_batches)
         scale = float(self.world_size)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for i, (t, real) in enumerate(passes):
-            set_gradient_sync(self.model, i == len(passes) - 1)
-            lp = self._logprobs(t)
-            loss = -lp.sum() / total_targets if real else lp.sum()
-            (loss * scale).backward()
-            loss_sum += loss.detach().double()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with self._discarding_gradients_on_failure():
+            for i, (t, real) in enumerate(passes):
+                set_gradient_sync(self.model, i == len(passes) - 1)
+                lp = self._logprobs(t)
+                loss = -lp.sum() / total_targets if real else lp.sum()
+                (loss * scale).backward()
+                loss_sum += loss.detach().double()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         self._all_reduce(loss_sum)
         self.step_count += 1
         self.policy_version += 1

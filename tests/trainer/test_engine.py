@@ -37,3 +37,40 @@ def test_batch_whose_declared_target_counts_disagree_is_rejected(tmp_path) -> No
         assert metrics["executions"] == len(batch.executions)
     finally:
         trainer.close()
+
+
+def test_a_step_that_failed_part_way_leaves_no_gradient_behind(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A micro-batch that raises after earlier ones ran backward (an OOM, say) fails the step; the bus
+    redelivers the batch, and the retry must train every target once, exactly as a clean step does."""
+    import torch
+
+    tiny_model("qwen3", seed=1).save_pretrained(tmp_path)
+    batch = make_batch(seed=0, step=0)
+    assert len(batch.micro_batches) >= 3
+    clean, _ = Trainer.start(tmp_path, GroupSpec(rank=0, world_size=1, master_port=free_port()), TrainerConfig())
+    try:
+        clean.step(batch)
+        expected = {k: v.detach().clone() for k, v in clean.model.state_dict().items()}
+    finally:
+        clean.close()
+    retried, _ = Trainer.start(tmp_path, GroupSpec(rank=0, world_size=1, master_port=free_port()), TrainerConfig())
+    try:
+        real = retried._logprobs
+        calls = {"grad": 0}
+
+        def fails_on_the_third_gradient_pass(t):  # type: ignore[no-untyped-def]
+            if torch.is_grad_enabled():
+                calls["grad"] += 1
+                if calls["grad"] == 3:
+                    raise RuntimeError("out of memory (simulated)")
+            return real(t)
+
+        monkeypatch.setattr(retried, "_logprobs", fails_on_the_third_gradient_pass)
+        with pytest.raises(RuntimeError, match="simulated"):
+            retried.step(batch)
+        retried.step(batch)
+        got = retried.model.state_dict()
+        worst = max(float((got[k] - v).abs().max()) for k, v in expected.items())
+    finally:
+        retried.close()
+    assert worst == 0.0
