@@ -84,17 +84,49 @@ def dense_additive_mask(subtree_end: torch.Tensor, dtype: torch.dtype) -> torch.
     return mask[None, None]
 
 
-def tree_block_mask(subtree_end: torch.Tensor) -> Any:
-    """A flex-attention BlockMask for ancestor-only attention; never materialises the [L, L] mask."""
-    from torch.nn.attention.flex_attention import create_block_mask
+def tree_block_mask(subtree_end: torch.Tensor, block: int = 128) -> Any:
+    """A flex-attention BlockMask for ancestor-only attention, built from `subtree_end` in O(L + (L/block)²).
 
-    ends = subtree_end.contiguous()
+    `create_block_mask` would evaluate the mask_mod on the whole [L, L] grid (outside `torch.compile`), which
+    at a million tokens is a terabyte. Here the block structure comes straight from the tree: key k is seen
+    by exactly the queries [k, subtree_end[k]), one interval, so it touches the query blocks
+    k // block … (subtree_end[k] − 1) // block, and a block pair is full when every key of the key block
+    precedes every query of the query block and stays visible past its last query.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    ends = subtree_end.contiguous().long()
+    device = ends.device
     length = int(ends.shape[0])
+    n = -(-length // block)  # blocks per side
+    keys = torch.arange(length, device=device)
+    kb = keys // block
+    # Partial-or-full: per key block, a difference array over query blocks marks each key's interval.
+    diff = torch.zeros(n, n + 1, dtype=torch.int32, device=device)
+    ones = torch.ones(length, dtype=torch.int32, device=device)
+    diff.view(-1).scatter_add_(0, kb * (n + 1) + keys // block, ones)
+    diff.view(-1).scatter_add_(0, kb * (n + 1) + (ends - 1) // block + 1, -ones)
+    touched = diff.cumsum(dim=1)[:, :n].T > 0  # [query block, key block]
+    # Full: the key block lies wholly before the query block, and its shortest-lived key stays visible
+    # past the block's last query (never true of a block the sequence's end cuts short: ends ≤ L).
+    min_end = torch.full((n,), length + 1, dtype=torch.long, device=device).scatter_reduce(
+        0, kb, ends, reduce="amin")
+    blocks = torch.arange(n, device=device)
+    full = (blocks[None, :] < blocks[:, None]) & (min_end[None, :] >= (blocks[:, None] + 1) * block)
+    partial = touched & ~full
+
+    def ordered(grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # per query block: count, key blocks
+        counts = grid.sum(dim=1, dtype=torch.int32)
+        indices = torch.argsort(grid.to(torch.int8), dim=1, descending=True, stable=True).to(torch.int32)
+        return counts[None, None], indices[None, None]
 
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         return (kv_idx <= q_idx) & (q_idx < ends[kv_idx])
 
-    return create_block_mask(mask_mod, None, None, length, length, device=str(ends.device))
+    kv_num, kv_idx = ordered(partial)
+    full_num, full_idx = ordered(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=mask_mod,
+                                    seq_lengths=(length, length))
 
 
 def choose_attention(num_tokens: int, flex_threshold: int, device: torch.device) -> AttentionKind:

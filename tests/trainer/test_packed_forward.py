@@ -14,6 +14,7 @@ from services.trainer.packed_forward import (
     packed_logprobs,
     to_tensors,
     tree_attention_plan,
+    tree_block_mask,
 )
 from tests.trainer.trainer_trees import Step, Trajectory, flat_logprobs, pack, random_trajectories, tiny_model
 
@@ -82,6 +83,40 @@ def test_tree_attention_plan_keys_are_only_ancestors_of_the_chunk() -> None:
     plan = tree_attention_plan(ends, torch.float32, chunk=2)
     keys = [c.keys.tolist() for c in plan]
     assert keys == [[0, 1], [0, 1, 2, 3], [0, 4, 5], [0, 4, 6, 7]]
+
+
+def _blocks(counts: torch.Tensor, indices: torch.Tensor) -> set[tuple[int, int]]:
+    return {(row, int(indices[0, 0, row, j])) for row in range(counts.shape[-1]) for j in range(int(counts[0, 0, row]))}
+
+
+def _tree_ends(shape: str, block: int) -> torch.Tensor:
+    if shape == "one-chain":  # a single trajectory, not a whole number of blocks long
+        return torch.full((1000,), 1000)
+    if shape == "block-edges":  # a prefix of 4 blocks, then two branches of 2 blocks: subtrees end on edges
+        return torch.tensor([8 * block] * (4 * block) + [6 * block] * (2 * block) + [8 * block] * (2 * block))
+    prefix = {"branchy": 6, "shared-prefix": 100}[shape]
+    trajs = random_trajectories(np.random.default_rng(prefix + block), executions=3, branches=4, vocab=97,
+                                prefix=prefix, suffix=4)
+    return to_tensors(pack(trajs)[0]).subtree_end
+
+
+@pytest.mark.parametrize("shape", ["branchy", "shared-prefix", "one-chain", "block-edges"])
+@pytest.mark.parametrize("block", [16, 128])
+def test_tree_block_mask_has_the_blocks_of_the_dense_construction(shape: str, block: int) -> None:
+    """The BlockMask built from subtree_end in O((L/block)²) lists the same partial and full blocks, both ways,
+    as torch's `create_block_mask`, which evaluates the whole [L, L] grid."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    ends = _tree_ends(shape, block)
+    length = int(ends.shape[0])
+    ours = tree_block_mask(ends, block=block)
+    dense = create_block_mask(lambda b, h, q, kv: (kv <= q) & (q < ends[kv]), None, None, length, length,
+                              device="cpu", BLOCK_SIZE=block)
+    for side in ("kv", "q"):
+        for kind in ("", "full_"):
+            theirs = _blocks(getattr(dense, f"{kind}{side}_num_blocks"), getattr(dense, f"{kind}{side}_indices"))
+            assert _blocks(getattr(ours, f"{kind}{side}_num_blocks"), getattr(ours, f"{kind}{side}_indices")) == theirs
+    assert _blocks(ours.full_kv_num_blocks, ours.full_kv_indices) or shape not in ("one-chain", "block-edges")
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
