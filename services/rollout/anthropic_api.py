@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from services.rollout.conversation import ChatMessage, Conversation, ToolCall, ToolSpec
+from services.rollout.conversation import ChatMessage, Conversation, ToolCall, ToolSpec, schema_problem
 from services.rollout.errors import invalid
 
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,128}$")
@@ -114,8 +114,8 @@ def parse_tools(tools: Any) -> tuple[ToolSpec, ...]:
                 f"tools.{i}.input_schema: expected a JSON Schema object with \"type\": \"object\", got "
                 f"{json.dumps(schema)[:200] if schema is not None else 'nothing'}"
             )
-        if "properties" in schema and not isinstance(schema["properties"], dict):
-            raise invalid(f"tools.{i}.input_schema.properties: expected an object")
+        if problem := schema_problem(schema):
+            raise invalid(f"tools.{i}.input_schema.{problem}")
         description = tool.get("description") or ""
         if not isinstance(description, str):
             raise invalid(f"tools.{i}.description: expected a string")

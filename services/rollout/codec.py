@@ -76,7 +76,8 @@ def tool_call_regex(tools: tuple[ToolSpec, ...], names: tuple[str, ...]) -> str:
         keys = required or list(props)
         fields = []
         for key in keys:
-            kind = (props.get(key) or {}).get("type", "string")
+            spec = props.get(key)
+            kind = spec.get("type", "string") if isinstance(spec, dict) else "string"  # `true`: any value
             value = _VALUE_PATTERNS.get(kind if isinstance(kind, str) else "string")
             if value is None:
                 if key in required:

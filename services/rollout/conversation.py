@@ -64,6 +64,18 @@ class ToolSpec(_Frozen):
         }
 
 
+def schema_problem(schema: dict[str, Any]) -> str | None:
+    """What is wrong with a tool's parameter schema beyond `type: object`, if anything: its `properties` must
+    map names to schemas and its `required` list names (guided decoding reads both)."""
+    props = schema.get("properties") or {}
+    if not isinstance(props, dict) or not all(isinstance(v, (dict, bool)) for v in props.values()):
+        return "properties: expected an object mapping each property name to a JSON Schema"
+    required = schema.get("required") or []
+    if not isinstance(required, list) or not all(isinstance(k, str) for k in required):
+        return "required: expected an array of property names"
+    return None
+
+
 class Conversation(_Frozen):
     """What one request asks the model to continue: its messages (system first, if any) and its tools."""
 

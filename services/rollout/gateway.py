@@ -230,6 +230,8 @@ async def _read_json(request: Request, max_body_bytes: int) -> Any:
         return json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise invalid(f"request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise invalid("request body is nested too deeply") from exc
 
 
 def create_app(

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from services.rollout.anthropic_api import TOOL_NAME, Completion, ParsedRequest, SamplingRequest
-from services.rollout.conversation import ChatMessage, Conversation, ToolCall, ToolSpec
+from services.rollout.conversation import ChatMessage, Conversation, ToolCall, ToolSpec, schema_problem
 from services.rollout.errors import invalid
 
 
@@ -61,6 +61,8 @@ def parse_messages(messages: Any) -> tuple[ChatMessage, ...]:
                 out.append(ChatMessage(role="user", content=_text(m.get("content"), f"{where}.content")))
             case "assistant":
                 calls = []
+                if not isinstance(m.get("tool_calls") or [], list):
+                    raise invalid(f"{where}.tool_calls: expected an array", param=f"{where}.tool_calls")
                 for j, tc in enumerate(m.get("tool_calls") or []):
                     fn = tc.get("function") if isinstance(tc, dict) else None
                     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
@@ -98,7 +100,12 @@ def parse_tools(tools: Any) -> tuple[ToolSpec, ...]:
         if not isinstance(params, dict) or params.get("type", "object") != "object":
             raise invalid(f"tools[{i}].function.parameters: expected a JSON Schema object with type 'object'",
                           param=f"tools[{i}].function.parameters")
-        specs.append(ToolSpec(name=name, description=fn.get("description") or "", parameters=params))
+        if problem := schema_problem(params):
+            raise invalid(f"tools[{i}].function.parameters.{problem}", param=f"tools[{i}].function.parameters")
+        description = fn.get("description") or ""
+        if not isinstance(description, str):
+            raise invalid(f"tools[{i}].function.description: expected a string", param=f"tools[{i}].function.description")
+        specs.append(ToolSpec(name=name, description=description, parameters=params))
     return tuple(specs)
 
 
@@ -152,11 +159,15 @@ def _forced_tools(choice: Any, conversation: Conversation) -> tuple[str, ...]:
             raise invalid("tool_choice: 'required' needs at least one tool", param="tool_choice")
         return names
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name")
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
         if name not in names:
             raise invalid(f"tool_choice.function.name: expected one of {list(names)}, got {name!r}",
                           param="tool_choice")
         return (name,)
+    if choice not in (None, "auto", "none"):
+        raise invalid(f"tool_choice: expected 'none', 'auto', 'required' or a function, got {choice!r}",
+                      param="tool_choice")
     return ()
 
 

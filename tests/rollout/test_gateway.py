@@ -253,6 +253,42 @@ async def test_bad_requests_raise_sdk_errors_and_record_nothing() -> None:
     assert stack.recorder.events == [] and stack.engines[0].prompts == []
 
 
+_USER = [{"role": "user", "content": "hi"}]
+_FN = {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "string"}}}}
+
+
+@pytest.mark.parametrize("path, body, fragment", [
+    ("/v1/chat/completions", {"model": "tiny", "messages": _USER, "tools": [{"type": "function", "function": _FN}],
+                              "tool_choice": {"type": "function", "function": "f"}}, "tool_choice"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": _USER, "tool_choice": 7}, "tool_choice"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [*_USER, {"role": "assistant", "tool_calls": 5}]},
+     "tool_calls"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": _USER,
+                              "tools": [{"type": "function", "function": {**_FN, "description": 5}}]}, "description"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": _USER, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": ["a"]}}}]},
+     "properties"),
+    ("/v1/messages", {"model": "tiny", "max_tokens": 5, "messages": _USER, "tool_choice": {"type": "any"}, "tools": [
+        {"name": "f", "input_schema": {"type": "object", "properties": {"a": "string"}}}]}, "properties"),
+    ("/v1/messages", {"model": "tiny", "max_tokens": 5, "messages": _USER, "tool_choice": {"type": "any"}, "tools": [
+        {"name": "f", "input_schema": {"type": "object", "properties": {}, "required": 5}}]}, "required"),
+    ("/v1/messages", "[" * 100_000 + "]" * 100_000, "nested too deeply"),
+], ids=["oa-choice-fn", "oa-choice-kind", "oa-tool-calls", "oa-description", "oa-properties",
+        "an-property-schema", "an-required", "deep-json"])
+async def test_malformed_bodies_are_400_naming_the_field(path: str, body: object, fragment: str) -> None:
+    """Shapes a schema-trusting code path would trip on (a 500 that the harness would blame on the
+    infrastructure) are the client's error: 400 invalid_request_error, nothing generated or recorded."""
+    stack = build_stack([ScriptedEngine(CODEC)], CODEC)
+    token = stack.registry.register("exec-400")
+    content = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+    async with stack.http() as http:
+        r = await http.post(path, content=content, headers={"x-api-key": token, "authorization": f"Bearer {token}",
+                                                            "content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error" and fragment in r.json()["error"]["message"]
+    assert stack.recorder.events == [] and stack.engines[0].prompts == []
+
+
 async def test_a_failed_record_fails_the_request() -> None:
     stack = build_stack([ScriptedEngine(CODEC)], CODEC)
     token = stack.registry.register("exec-f")
