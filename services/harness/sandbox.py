@@ -261,7 +261,11 @@ class ProcessSandbox:
         self._bridge: GatewayBridge | None = None
         self._exec_count = 0
         self._closed = False
-        self._create_layout()
+        try:
+            self._create_layout()
+        except BaseException:
+            self.close()  # nobody else holds this object to close it: give the uid back
+            raise
 
     def _check_available(self) -> None:
         if os.geteuid() != 0:

@@ -200,6 +200,22 @@ def test_uid_locks_exclude_other_processes(tmp_path: Path) -> None:
     assert second.acquire() == a
 
 
+def test_a_sandbox_that_fails_to_build_gives_its_uid_back(tmp_path: Path, backend: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Nobody holds a sandbox whose constructor raised, so nobody can close it: it must free its uid itself
+    (otherwise every such failure leaks one, until the pool is empty and no execution can start)."""
+    import services.harness.sandbox as sandbox_module
+
+    pool = sandbox_module._UidPool(base=71000, size=1, lock_dir=tmp_path / "locks")
+    monkeypatch.setattr(sandbox_module, "UID_POOL", pool)
+    with pytest.raises(sandbox_module.SandboxError, match="gateway URL"):
+        ProcessSandbox(tmp_path / "bad", SandboxSpec(), backend=backend, gateway_url="http:///no-host")  # type: ignore[arg-type]
+    box = ProcessSandbox(tmp_path / "good", SandboxSpec(), backend=backend)  # type: ignore[arg-type]
+    try:
+        assert box.uid == 71000
+    finally:
+        box.close(remove=True)
+
+
 def test_extra_read_only_paths_are_visible_even_under_tmp(tmp_path: Path, backend: str) -> None:
     tool_dir = tmp_path / "tool"
     tool_dir.mkdir()
