@@ -25,9 +25,11 @@ def snapshots(draw: st.DrawFn, *, parked: bool = False) -> Snapshot:
     n_cells = draw(st.integers(1, 10))
     budget = draw(st.integers(1, n_cells))
     now = draw(st.floats(0, 10_000))
+    # Any `budget` cells may hold roles, not only the first by id: a cell that registered late can sort first.
+    holders = set(draw(st.permutations(range(n_cells)))[:budget])
     cells = []
     for i in range(n_cells):
-        if i < budget:
+        if i in holders:
             role = draw(st.sampled_from([Role.ROLLOUT, Role.TRAIN, Role.IDLE]))
         else:
             role = Role.IDLE

@@ -242,6 +242,15 @@ def test_async_keeps_its_split() -> None:
     ]
 
 
+@pytest.mark.parametrize("policy", [AsyncPolicy(rollout_cells=1), ColocatePolicy()], ids=["async", "colocate"])
+def test_a_cell_registering_late_does_not_push_the_fixed_pool_past_its_budget(policy: object) -> None:
+    """c1 registered after c0 and c2 took the budget's two roles; it sorts between them by id."""
+    cells = [cell(0, Role.ROLLOUT), cell(1, Role.IDLE), cell(2, Role.TRAIN)]
+    s = snap(cells, queued=1, budget=2)
+    outcome = check(policy, s)  # raises if the decision asks for more roles than the budget
+    assert outcome.roles["c1"] is Role.IDLE
+
+
 def test_checker_rejects_a_train_assignment_that_would_kill_a_session() -> None:
     cells = [cell(0, Role.ROLLOUT), cell(1, Role.TRAIN)]
     s = snap(cells, [session(0, "c0")])

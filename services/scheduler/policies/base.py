@@ -44,6 +44,16 @@ class Room:
         return self.limit[cell_id] - self.reserved[cell_id]
 
 
+def budget_pool(snapshot: Snapshot) -> list[CellView]:
+    """The cells a fixed pool runs on: those already holding a role first, then by id, up to the budget.
+
+    By id alone, a cell registering late with a smaller id would displace one that holds a role, and the
+    pool would ask for more roles than the budget allows (every decision refused from then on).
+    """
+    ranked = sorted(snapshot.cells, key=lambda c: (c.role is Role.IDLE, c.cell_id))[: snapshot.budget_cells]
+    return sorted(ranked, key=lambda c: c.cell_id)
+
+
 def accepting(cell: CellView) -> bool:
     """A cell that takes new sessions now."""
     return cell.role is Role.ROLLOUT and cell.state is CellState.ACTIVE

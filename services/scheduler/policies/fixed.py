@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.scheduler.policies.actions import Action, AssignCell
-from services.scheduler.policies.base import Room, accepting, dispatch_onto
+from services.scheduler.policies.base import Room, accepting, budget_pool, dispatch_onto
 from services.scheduler.policies.snapshot import CellState, Role, Snapshot
 
 
@@ -15,7 +15,7 @@ class PolicyConfigError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class AsyncPolicy:
-    """Fixed split: the first `rollout_cells` cells of the budget (by id) roll out, the rest train."""
+    """Fixed split: the first `rollout_cells` cells of the budget's pool (by id) roll out, the rest train."""
 
     rollout_cells: int
     fill: float = 0.9
@@ -32,7 +32,7 @@ class AsyncPolicy:
                 f"async needs rollout_cells < budget ({snapshot.budget_cells}) to keep a trainer, "
                 f"got {self.rollout_cells}"
             )
-        ordered = sorted(snapshot.cells, key=lambda c: c.cell_id)[: snapshot.budget_cells]
+        ordered = budget_pool(snapshot)
         actions: list[Action] = []
         for i, cell in enumerate(ordered):
             want = Role.ROLLOUT if i < self.rollout_cells else Role.TRAIN
@@ -63,7 +63,7 @@ class ColocatePolicy:
     allows_parking: bool = True
 
     def decide(self, snapshot: Snapshot) -> list[Action]:
-        ordered = sorted(snapshot.cells, key=lambda c: c.cell_id)[: snapshot.budget_cells]
+        ordered = budget_pool(snapshot)
         trainer = snapshot.trainer
         train_phase = trainer.batch_complete and trainer.policy_version < trainer.steps_total
         want = Role.TRAIN if train_phase else Role.ROLLOUT
