@@ -177,6 +177,7 @@ class CellRunner:
         self.applied_version = 0  # stream version of the assignment `desired` came from
         self.cause: Event | None = None
         self.proc: CellProcess | None = None
+        self.starting: CellProcess | None = None  # launched, not yet ready (not in `proc` until it is)
         self.launches = 0
         self.changed = asyncio.Event()
         self.log = agent.log.bind(cell_id=cell_id)
@@ -309,11 +310,16 @@ class CellRunner:
         except OSError as exc:  # a command that does not exist or cannot run
             raise CellStartFailed(self.cell_id, role, f"could not start {argv}: {exc}") from exc
         self.log.info("cell_process_started", role=role, pid=proc.pid, argv=argv, log=str(log_path))
+        self.starting = proc
         try:
             version = await self._await_ready(proc, role, stop)
         except BaseException:
+            # If this stop is cancelled (the agent's shutdown cuts its tasks short), `starting` still names
+            # the process and `shutdown` finishes the job.
             await proc.stop(self.cfg.stop_timeout_s)
+            self.starting = None
             raise
+        self.starting = None
         return proc, version
 
     async def _await_ready(self, proc: CellProcess, role: str, stop: asyncio.Event) -> int | None:
@@ -373,10 +379,11 @@ class CellRunner:
         await self.agent.emit([self.agent.event(data, stream_id=stream_id_for("cell", self.cell_id), cause=self.cause)])
 
     async def shutdown(self) -> None:
-        if self.proc is not None:
-            code = await self.proc.stop(self.cfg.stop_timeout_s)
-            self.log.info("cell_process_stopped", role=self.proc.role, exit_code=code, reason="agent stopping")
-            self.proc = None
+        for proc in (self.starting, self.proc):
+            if proc is not None:
+                code = await proc.stop(self.cfg.stop_timeout_s)
+                self.log.info("cell_process_stopped", role=proc.role, exit_code=code, reason="agent stopping")
+        self.starting = self.proc = None
 
 
 async def _sleep_unless(stop: asyncio.Event, seconds: float) -> None:

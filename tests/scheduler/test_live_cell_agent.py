@@ -312,3 +312,20 @@ async def test_hold_occupies_a_cell_with_a_placeholder_until_stopped(store, bus,
         assert proc is not None and not proc.exited
         pid = proc.pid
     assert not alive(pid)
+
+
+async def test_stopping_the_agent_while_a_process_starts_leaves_no_process_behind(store, bus, infra, tmp_path):
+    """The agent stops while a trainer that ignores SIGTERM is still starting (its health port never answers),
+    with a stop timeout longer than the service waits for its tasks: the cancelled launch must not strand it."""
+    run_id = unique("run-")
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    svc = agent(infra, store, bus, run_id, tmp_path, count=1, train_ready="health", health_port_base=port,
+                ready_timeout_s=120, stop_timeout_s=11)
+    cell = "n1-cell0"
+    async with Running(store, bus, infra, svc):
+        await assign(store, run_id, cell, "train")
+        pid = await pid_in(tmp_path / f"{cell}-train.pid")
+        assert svc.runners[cell].proc is None  # still starting
+    assert not alive(pid)
