@@ -20,6 +20,11 @@ CALL_RECORD_MEDIA_TYPE = "application/x-gyre-call-record"
 CALL_INDEX_HEADER = "x-gyre-call-index"
 
 
+def call_seed(execution_seed: int, call_index: int) -> int:
+    """The sampling seed of an execution's call: distinct per call (a retry samples anew) and reproducible."""
+    return execution_seed * 100_003 + call_index
+
+
 class CallRecordError(Exception):
     pass
 

@@ -227,6 +227,17 @@ class ExecutionFinished(EventData):
     elapsed_s: float = Field(ge=0)
     calls: int = Field(ge=0)
     stop_reason: str = "submitted"
+    # True when the model API, not the agent, ended it (stop_reason then says how): the score of a recovered
+    # execution must carry that on (ExecutionScored.infra_failure), as the live path's does.
+    infra_failure: bool = False
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_failure(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Written only when set: events from before the field existed export byte-identically.
+        data: dict[str, Any] = handler(self)
+        if not data.get("infra_failure"):
+            data.pop("infra_failure", None)
+        return data
 
 
 @register

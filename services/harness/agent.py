@@ -34,7 +34,7 @@ from services.harness.agent_core import (
     validate_reply,
 )
 from services.harness.sandbox import ExecResult
-from shared.calls import CALL_INDEX_HEADER
+from shared.calls import CALL_INDEX_HEADER, call_seed
 
 
 def _call_index(value: str | None) -> int | None:
@@ -85,7 +85,9 @@ class AgentConfig(BaseModel):
     tool_output_chars: int = Field(default=4000, gt=100)
     # Retries of transient API errors (connection, 429, 5xx), each within the wall-clock budget.
     sdk_max_retries: int = Field(default=2, ge=0)
-    # The execution's seed, sent as a body field (a Gyre extension the gateway may use for sampling).
+    # A seed to send as a body field (a Gyre extension the gateway uses for sampling). Under the harness
+    # service the gateway already holds each execution's seed from its registration; this is for a loop run
+    # against a gateway that does not.
     seed: int | None = None
 
 
@@ -238,7 +240,7 @@ class AgentLoop:
             kwargs["tool_choice"] = {"type": "none"}
         if self.config.seed is not None:
             # Distinct per call, so re-samples (retries) differ while the whole run stays reproducible.
-            kwargs["extra_body"] = {"seed": self.config.seed * 100_003 + self.calls}
+            kwargs["extra_body"] = {"seed": call_seed(self.config.seed, self.calls)}
         response, recorded_as = self._create_within_budget(kwargs)
         # The gateway names the index it recorded the call under: after a reply lost on the way back and a
         # re-sent request, the log holds one call more than this loop saw, and numbering by the log keeps the

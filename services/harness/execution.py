@@ -24,7 +24,7 @@ from services.harness.taskrun import prepare, run_tests, sandbox_spec_for
 from services.harness.tasks import Task
 
 
-API_FAILURE_WAIT_S = 60.0  # how long an external execution's end waits for the gateway's account of its calls
+GATEWAY_STATUS_WAIT_S = 60.0  # how long an external execution's end waits for the gateway's account of its calls
 
 
 class BuiltinHarness(BaseModel):
@@ -52,13 +52,22 @@ class AgentStopped(BaseModel):
     infra_failure: bool = False  # the model API failed the agent (see AgentOutcome.infra_failure)
 
 
+class GatewayStatus(BaseModel):
+    """What the gateway saw of an external execution's model calls (its `/internal/executions/{id}`)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    last_infra_refusal: str | None = None  # why infrastructure refused the latest call, if it did
+    call_budget_spent: bool = False  # a call was refused because the execution's call budget was spent
+
+
 class ExecutionObserver(Protocol):
     def branched(self, branch: Branch) -> None: ...
 
     def agent_stopped(self, stopped: AgentStopped) -> None: ...
 
-    def model_api_failure(self) -> str | None:
-        """Why the model API refused the execution's latest call, if infrastructure refused it (else None)."""
+    def gateway_status(self) -> GatewayStatus | None:
+        """The gateway's account of the execution's calls, asked when an external agent exits (None: unknown)."""
         ...
 
 
@@ -69,7 +78,7 @@ class NullObserver:
     def agent_stopped(self, stopped: AgentStopped) -> None:
         return None
 
-    def model_api_failure(self) -> str | None:
+    def gateway_status(self) -> GatewayStatus | None:
         return None
 
 
@@ -119,11 +128,10 @@ def run_execution(
         agent_outcome: AgentOutcome | None = None
         external_outcome: ExternalOutcome | None = None
         if isinstance(harness, ExternalHarness):
+            # The call budget is the gateway's to enforce here (it refuses calls past it): the agent cannot.
             external_outcome = run_external(harness, sandbox, gateway, task.instruction, timeout_s=wall)
-            failed_exit = not external_outcome.timed_out and external_outcome.exit_code != 0
-            # Observers written before model_api_failure existed answer "nothing known".
-            ask = getattr(observer, "model_api_failure", None)
-            stopped = _external_stopped(external_outcome, ask() if failed_exit and ask is not None else None)
+            status = None if external_outcome.timed_out else observer.gateway_status()
+            stopped = _external_stopped(external_outcome, status)
         else:
             loop = AgentLoop.for_gateway(gateway.base_url, gateway.token, harness.agent.model_copy(update={"model": gateway.model}), sandbox, sink=observer)
             agent_outcome = loop.run(task.instruction, budget)
@@ -158,12 +166,15 @@ def _agent_stopped(outcome: AgentOutcome) -> AgentStopped:
             raise ValueError(f"unknown agent status {other!r}")
 
 
-def _external_stopped(outcome: ExternalOutcome, api_failure: str | None = None) -> AgentStopped:
-    """An external harness's end. `api_failure`: the gateway's reason for refusing its latest model call, when
-    infrastructure refused it (asked only after a non-zero exit)."""
+def _external_stopped(outcome: ExternalOutcome, status: GatewayStatus | None = None) -> AgentStopped:
+    """An external harness's end, read with the gateway's account of its calls (`status`)."""
     if outcome.timed_out:
         return AgentStopped(status="timed_out", stop_reason="wall-clock budget spent", budget="wall_clock", elapsed_s=outcome.elapsed_s, calls=None)
     reason = "exit 0" if outcome.exit_code == 0 else f"exit {outcome.exit_code}"
+    if status is not None and status.call_budget_spent:
+        return AgentStopped(status="timed_out", stop_reason=f"call budget spent ({reason})", budget="calls",
+                            elapsed_s=outcome.elapsed_s, calls=None)
+    api_failure = status.last_infra_refusal if status is not None else None
     if outcome.exit_code != 0 and api_failure is not None:
         # It gave up because the model API failed it (after its own retries): the infrastructure's doing.
         return AgentStopped(status="error", stop_reason=f"{reason} after the model API refused its last call: {api_failure}",
@@ -199,12 +210,12 @@ class LoopObserver:
         *,
         on_branched: Callable[[Branch], Coroutine[Any, Any, None]],
         on_stopped: Callable[[AgentStopped], Coroutine[Any, Any, None]],
-        on_api_failure: Callable[[], Coroutine[Any, Any, str | None]] | None = None,
+        on_gateway_status: Callable[[], Coroutine[Any, Any, GatewayStatus | None]] | None = None,
     ) -> None:
         self._loop = loop
         self._on_branched = on_branched
         self._on_stopped = on_stopped
-        self._on_api_failure = on_api_failure
+        self._on_gateway_status = on_gateway_status
 
     def branched(self, branch: Branch) -> None:
         asyncio.run_coroutine_threadsafe(self._on_branched(branch), self._loop).result()
@@ -212,12 +223,12 @@ class LoopObserver:
     def agent_stopped(self, stopped: AgentStopped) -> None:
         asyncio.run_coroutine_threadsafe(self._on_stopped(stopped), self._loop).result()
 
-    def model_api_failure(self) -> str | None:
-        if self._on_api_failure is None:
+    def gateway_status(self) -> GatewayStatus | None:
+        if self._on_gateway_status is None:
             return None
-        future = asyncio.run_coroutine_threadsafe(self._on_api_failure(), self._loop)
+        future = asyncio.run_coroutine_threadsafe(self._on_gateway_status(), self._loop)
         try:
-            return future.result(timeout=API_FAILURE_WAIT_S)
+            return future.result(timeout=GATEWAY_STATUS_WAIT_S)
         except concurrent.futures.TimeoutError:
             future.cancel()
             return None  # no answer in time: the exit stays the agent's own outcome

@@ -21,6 +21,7 @@ from services.harness.agent_core import Branch
 from services.harness.execution import (
     AgentStopped,
     BuiltinHarness,
+    GatewayStatus,
     Harness,
     LoopObserver,
     grade_preserved,
@@ -144,30 +145,31 @@ class HarnessService(Service):
         self._running[started.execution_id] = task
         task.add_done_callback(lambda _: self._running.pop(started.execution_id, None))
 
-    async def _register(self, execution_id: str) -> str:
+    async def _register(self, started: ExecutionStarted) -> str:
+        """Mint the execution's token at the gateway, handing it the execution's seed (every call samples with
+        `call_seed(seed, index)` unless it brings its own) and call budget (calls past it are refused)."""
         assert self._http is not None
         headers = {"x-api-key": self.h.gateway_admin_token} if self.h.gateway_admin_token else {}
-        response = await self._http.post(
-            f"{self.h.gateway_url}/internal/executions", json={"execution_id": execution_id}, headers=headers
-        )
+        body = {"execution_id": started.execution_id, "seed": started.seed, "max_calls": started.call_budget}
+        response = await self._http.post(f"{self.h.gateway_url}/internal/executions", json=body, headers=headers)
         response.raise_for_status()
         return str(response.json()["token"])
 
-    async def _gateway_refusal(self, execution_id: str) -> str | None:
-        """The gateway's reason for refusing the execution's latest call, when infrastructure refused it.
+    async def _gateway_status(self, execution_id: str) -> GatewayStatus | None:
+        """The gateway's account of the execution's calls: whether infrastructure refused the latest and whether
+        the call budget was spent.
 
-        Asked after an external harness exits non-zero, before its end event (which makes the gateway forget the
+        Asked after an external harness exits, before its end event (which makes the gateway forget the
         execution). A gateway that cannot answer leaves the exit graded as the agent's own."""
         assert self._http is not None
         headers = {"x-api-key": self.h.gateway_admin_token} if self.h.gateway_admin_token else {}
         try:
             response = await self._http.get(f"{self.h.gateway_url}/internal/executions/{execution_id}", headers=headers)
             response.raise_for_status()
-            reason = response.json().get("last_infra_refusal")
+            return GatewayStatus.model_validate(response.json())
         except Exception as exc:  # whatever stops the answer, the exit stays the agent's own outcome
             self.log.warning("gateway_status_unavailable", execution_id=execution_id, error=str(exc))
             return None
-        return reason if isinstance(reason, str) and reason else None
 
     async def _run(self, started: ExecutionStarted, cause: Event) -> None:
         execution_id = started.execution_id
@@ -178,7 +180,7 @@ class HarnessService(Service):
             t0 = time.monotonic()
             ended = False
             try:
-                token = await self._register(execution_id)
+                token = await self._register(started)
             except httpx.HTTPError as exc:
                 log.error("gateway_registration_failed", error=str(exc))
                 await self._emit(ExecutionTimedOut(execution_id=execution_id, budget="crash", elapsed_s=0, calls=0),
@@ -212,7 +214,7 @@ class HarnessService(Service):
                     budget=budget,
                     backend=self.h.backend,
                     observer=LoopObserver(loop, on_branched=on_branched, on_stopped=on_stopped,
-                                          on_api_failure=lambda: self._gateway_refusal(execution_id)),
+                                          on_gateway_status=lambda: self._gateway_status(execution_id)),
                 )
             except Exception as exc:
                 log.exception("execution_failed", error=str(exc))
@@ -265,11 +267,14 @@ class HarnessService(Service):
         assert self.store is not None
         stages: dict[str, list[Any]] = {}
         started: dict[str, ExecutionStarted] = {}
+        ends: dict[str, EventData] = {}
         types = ["execution.started", *END_TYPES, "execution.scored"]
         for stored in await self.store.read_all(types=types, run_id=self.settings.run_id):
             data = stored.event.data
             if isinstance(data, ExecutionStarted):
                 started[data.execution_id] = data
+            elif isinstance(data, (ExecutionFinished, ExecutionTimedOut)):
+                ends.setdefault(data.execution_id, data)
             stage = {"execution.started": "started", "execution.scored": "scored"}.get(stored.event.type, "stopped")
             stages.setdefault(data.execution_id, []).append(stage)  # type: ignore[attr-defined]
         for action in recovery_actions(stages):
@@ -285,9 +290,13 @@ class HarnessService(Service):
             except (FileNotFoundError, TaskFormatError) as exc:
                 await self._emit(self._zero_score(s, f"nothing preserved: {exc}"), stream, None)
                 continue
+            # Scored as the live path would have: by how the execution ended, when its end was recorded.
+            end = ends.get(s.execution_id)
+            finished = end if isinstance(end, ExecutionFinished) else None
             await self._emit(
                 ExecutionScored(execution_id=s.execution_id, query_id=s.query_id, reward=grade.score,
-                                tests_passed=grade.passed, tests_total=len(grade.tests), timed_out=True),
+                                tests_passed=grade.passed, tests_total=len(grade.tests), timed_out=finished is None,
+                                infra_failure=finished.stop_reason if finished and finished.infra_failure else None),
                 stream, None,
             )
             self.log.info("recovered_execution", execution_id=s.execution_id, reward=grade.score)
@@ -303,5 +312,6 @@ def _ended(execution_id: str, stopped: AgentStopped, calls: int) -> EventData:
             execution_id=execution_id, budget=stopped.budget or "wall_clock", elapsed_s=stopped.elapsed_s, calls=calls,
         )
     return ExecutionFinished(
-        execution_id=execution_id, elapsed_s=stopped.elapsed_s, calls=calls, stop_reason=stopped.stop_reason
+        execution_id=execution_id, elapsed_s=stopped.elapsed_s, calls=calls, stop_reason=stopped.stop_reason,
+        infra_failure=stopped.infra_failure,
     )

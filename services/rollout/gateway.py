@@ -28,7 +28,7 @@ from services.rollout.protocol import SamplingSpec
 from services.rollout.recording import Api, CallRecorder, CompletedCall, RecordingFailed
 from services.rollout.router import NoCapacity, Router, WorkerFailed
 from services.rollout.tito import TitoState
-from shared.calls import CALL_INDEX_HEADER
+from shared.calls import CALL_INDEX_HEADER, call_seed
 from shared.logging import get_logger
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -50,6 +50,11 @@ class ExecutionState:
     # answered call or a refusal of the request itself (400, 413...). Lets the harness tell an external agent
     # that exits because the model API failed it from one that exits on its own.
     last_infra_refusal: str | None = None
+    # From the harness's registration: the execution's seed (a call that brings none samples with
+    # `call_seed(seed, answered)`) and its call budget (calls past it are refused, 400).
+    seed: int | None = None
+    max_calls: int | None = None
+    budget_refusals: int = 0
 
 
 class GatewayCore:
@@ -99,6 +104,10 @@ class GatewayCore:
         else:
             state.last_infra_refusal = None
 
+    def start_execution(self, execution_id: str, *, seed: int | None, max_calls: int | None) -> None:
+        state = self._state(execution_id)
+        state.seed, state.max_calls = seed, max_calls
+
     def call_status(self, execution_id: str) -> dict[str, Any]:
         """What the gateway saw of an execution's calls, from its first call until its end (`known` is False
         before the first call, after the end and across a gateway restart)."""
@@ -109,6 +118,7 @@ class GatewayCore:
             "answered": state.answered if state else 0,
             "infra_refusals": state.infra_refusals if state else 0,
             "last_infra_refusal": state.last_infra_refusal if state else None,
+            "call_budget_spent": bool(state and state.budget_refusals),
         }
 
     def end_execution(self, execution_id: str) -> None:
@@ -122,6 +132,9 @@ class GatewayCore:
         state = self._state(execution_id)
         # One call at a time per execution keeps call order, anchors and worker histories consistent.
         async with state.lock:
+            if state.max_calls is not None and state.answered >= state.max_calls:
+                state.budget_refusals += 1
+                raise invalid(f"the execution's call budget is spent: {state.answered} of {state.max_calls} calls made")
             started = time.perf_counter()
             plan = state.tito.plan(parsed.conversation, self.codec)
             prompt_len = len(plan.prompt)
@@ -137,7 +150,8 @@ class GatewayCore:
                 temperature=parsed.sampling.temperature,
                 top_p=parsed.sampling.top_p,
                 top_k=parsed.sampling.top_k,
-                seed=parsed.sampling.seed,
+                seed=parsed.sampling.seed if parsed.sampling.seed is not None or state.seed is None
+                else call_seed(state.seed, state.answered),
                 stop=parsed.sampling.stop,
                 regex=(
                     tool_call_regex(parsed.conversation.tools, parsed.sampling.forced_tools)
@@ -354,6 +368,12 @@ def create_app(
             token = body.get("token")
             if token is not None and (not isinstance(token, str) or len(token) < 16):
                 raise invalid("token: expected a string of at least 16 characters")
+            seed, max_calls = body.get("seed"), body.get("max_calls")
+            if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+                raise invalid(f"seed: expected an integer, got {seed!r}")
+            if max_calls is not None and (isinstance(max_calls, bool) or not isinstance(max_calls, int) or max_calls < 1):
+                raise invalid(f"max_calls: expected an integer ≥ 1, got {max_calls!r}")
+            core.start_execution(body["execution_id"], seed=seed, max_calls=max_calls)
             return JSONResponse({"execution_id": body["execution_id"],
                                  "token": registry.register(body["execution_id"], token)})
         except ApiError as exc:

@@ -163,9 +163,10 @@ class ExecutionLog:
             )
         )
 
-    def finish(self, elapsed_s: float = 60.0) -> Event:
+    def finish(self, elapsed_s: float = 60.0, stop_reason: str = "submitted", infra_failure: bool = False) -> Event:
         return self._emit(
-            ExecutionFinished(execution_id=self.execution_id, elapsed_s=elapsed_s, calls=len(self.records))
+            ExecutionFinished(execution_id=self.execution_id, elapsed_s=elapsed_s, calls=len(self.records),
+                              stop_reason=stop_reason, infra_failure=infra_failure)
         )
 
     def time_out(self, elapsed_s: float = 3600.0, budget: str = "wall_clock") -> Event:

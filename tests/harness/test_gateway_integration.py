@@ -17,7 +17,7 @@ import uvicorn
 
 from services.harness.agent import AgentConfig, AgentLoop, Budget
 from services.harness.agent_core import Branch
-from services.harness.execution import BuiltinHarness, run_execution
+from services.harness.execution import BuiltinHarness, GatewayStatus, run_execution
 from services.harness.external import GatewayAccess
 from services.harness.sandbox import ProcessSandbox, SandboxSpec
 from services.harness.tasks import load_task
@@ -218,11 +218,11 @@ class GatewayStatusObserver:
     def agent_stopped(self, stopped: Any) -> None:
         return None
 
-    def model_api_failure(self) -> str | None:
+    def gateway_status(self) -> GatewayStatus | None:
         import httpx
 
         self.asked += 1
-        return httpx.get(self.url, timeout=10).json()["last_infra_refusal"]
+        return GatewayStatus.model_validate(httpx.get(self.url, timeout=10).json())
 
 
 @pytest.mark.parametrize("refused", [True, False], ids=["gateway-failed-it", "its-own-exit"])
@@ -259,3 +259,27 @@ def test_an_external_harness_that_exits_after_the_gateway_failed_it_is_an_infras
         assert result.stopped.status == "finished" and not result.stopped.infra_failure
         assert result.stopped.stop_reason == "exit 3"
         assert len(stack.recorder.calls("execution-gw-500")) == 1
+
+
+def test_the_gateway_holds_an_external_harness_to_its_call_budget(tmp_path: Path, best_backend: str) -> None:
+    """An external agent cannot count its calls for the harness: the gateway refuses the one past the budget,
+    the agent exits on the error, and the execution ends timed out on its call budget."""
+    from .test_external_harness import sdk_harness
+
+    codec, stack = gateway_stack(lambda prompt: "hello world")
+    token = stack.registry.register("execution-gw-budget")
+    stack.core.start_execution("execution-gw-budget", seed=3, max_calls=2)
+    with Served(stack.app) as base_url:
+        observer = GatewayStatusObserver(base_url, "execution-gw-budget")
+        result = run_execution(
+            execution_id="execution-gw-budget",
+            task=load_task(TASKS / "create-file-1"),
+            harness=sdk_harness("--calls", "5"),
+            gateway=GatewayAccess(base_url=base_url, token=token, model="tiny"),
+            state_dir=tmp_path / "state",
+            backend=best_backend,
+            observer=observer,
+        )
+    assert result.external is not None and result.external.exit_code != 0, result.external
+    assert (result.stopped.status, result.stopped.budget) == ("timed_out", "calls")
+    assert len(stack.recorder.calls("execution-gw-budget")) == 2

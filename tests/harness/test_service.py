@@ -25,14 +25,17 @@ REPO = Path(__file__).resolve().parents[2]
 def gateway(script: list[Any]) -> ScriptedAnthropicServer:
     server = ScriptedAnthropicServer(script)
     tokens: list[str] = []
+    bodies: list[dict[str, Any]] = []
 
     @server.app.post("/internal/executions")
     async def register(request: Request) -> JSONResponse:
         body = await request.json()
         tokens.append(body["execution_id"])
+        bodies.append(body)
         return JSONResponse({"execution_id": body["execution_id"], "token": f"tok-{body['execution_id']}-0123456789"})
 
     server.registered = tokens  # type: ignore[attr-defined]
+    server.registrations = bodies  # type: ignore[attr-defined]
     return server.start()
 
 
@@ -97,6 +100,8 @@ async def test_a_dispatched_query_runs_its_group_and_scores_each_execution(store
     started = [e.data for e in events if e.type == "execution.started"]
     assert [(s.sample_index, s.seed, s.group_size) for s in started] == [(0, 11, 2), (1, 12, 2)]
     assert server.registered == [execution_id_for("q1", 0), execution_id_for("q1", 1)]  # type: ignore[attr-defined]
+    # The gateway gets each execution's seed (it seeds every call) and call budget (it enforces it).
+    assert [(b["seed"], b["max_calls"]) for b in server.registrations] == [(11, None), (12, None)]  # type: ignore[attr-defined]
     # Every request carried its own execution's token.
     assert {h["authorization"] for h in server.headers} == {
         f"Bearer tok-{execution_id_for('q1', i)}-0123456789" for i in (0, 1)
@@ -144,6 +149,41 @@ async def test_restart_marks_unfinished_executions_timed_out_and_grades_preserve
     assert scored[empty_id].infra_failure is not None and scored[empty_id].infra_failure.startswith("nothing preserved")
 
 
+async def test_restart_scores_an_ended_but_unscored_execution_by_how_it_ended(store, bus, infra, tmp_path):
+    """The harness died while grading: the end event is in the log, the score is not. The recovered score
+    must say what the live path would have: not timed out, and an infrastructure failure when it was one."""
+    from services.trajectory.synthetic import ExecutionLog
+
+    run_id = unique("run-")
+    server = gateway([])
+    work = tmp_path / "executions"
+    submitted, refused = "qe-s0", "qe-s1"
+    for i, eid in enumerate((submitted, refused)):
+        (work / eid / "work").mkdir(parents=True)
+        (work / eid / "work" / "hello.txt").write_text("hello world\n")
+        log = ExecutionLog(eid, query_id="qe", run_id=run_id, task_id="create-file-1", group_size=2,
+                           sample_index=i, seed=i)
+        log.start()
+        log.call([1, 2, 3], [4, 5])
+        if eid == refused:
+            log.finish(stop_reason="APIConnectionError: connection refused", infra_failure=True)
+        else:
+            log.finish()
+        await store.append(log.events)
+    svc = service(infra, store, bus, tmp_path, server, run_id)
+    try:
+        await svc.start()
+        events = await wait_for_types(store, run_id, {"execution.scored": 2})
+    finally:
+        await svc.stop()
+        server.stop()
+    assert not [e for e in events if e.type == "execution.timed_out"]
+    scored = {e.data.execution_id: e.data for e in events if e.type == "execution.scored"}
+    assert (scored[submitted].timed_out, scored[submitted].infra_failure) == (False, None)
+    assert (scored[refused].timed_out, scored[refused].infra_failure) == (False, "APIConnectionError: connection refused")
+    assert scored[submitted].reward == 1.0
+
+
 async def test_a_model_api_that_keeps_failing_ends_the_execution_as_an_infrastructure_failure(store, bus, infra, tmp_path):
     server = gateway([failure(500)] * 3)  # the first attempt and both retries
     query = QueryDispatched(query_id="qf", task_id="create-file-1", group_size=1, seeds=[5], step=0, policy_version=0)
@@ -152,6 +192,8 @@ async def test_a_model_api_that_keeps_failing_ends_the_execution_as_an_infrastru
     (scored,) = [e.data for e in events if e.type == "execution.scored"]
     assert scored.reward == 0.0 and scored.infra_failure is not None
     assert scored.infra_failure.startswith("InternalServerError")
+    (finished,) = [e.data for e in events if e.type == "execution.finished"]
+    assert finished.infra_failure and finished.stop_reason == scored.infra_failure  # what a recovery reads
 
 
 @pytest.mark.parametrize("status_api", ["answers", "broken"])

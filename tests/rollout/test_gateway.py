@@ -289,6 +289,31 @@ async def test_malformed_bodies_are_400_naming_the_field(path: str, body: object
     assert stack.recorder.events == [] and stack.engines[0].prompts == []
 
 
+async def test_registration_hands_the_gateway_the_executions_seed_and_call_budget() -> None:
+    """A call without its own seed samples with `call_seed(seed, index)`; one that brings a seed keeps it; once
+    the budget's calls are answered the next is refused (400) and the status says the budget is spent."""
+    from shared.calls import call_seed
+
+    stack = build_stack([ScriptedEngine(CODEC)], CODEC)
+    async with stack.http() as http:
+        for bad in ({"execution_id": "e", "seed": "7"}, {"execution_id": "e", "max_calls": 0}):
+            r = await http.post("/internal/executions", json=bad)
+            assert r.status_code == 400, bad
+        r = await http.post("/internal/executions", json={"execution_id": "exec-s", "seed": 7, "max_calls": 2})
+        token = r.json()["token"]
+        client = stack.anthropic(token)
+        user = [{"role": "user", "content": "hi"}]
+        await client.messages.create(model="tiny", max_tokens=5, messages=user)
+        await client.messages.create(model="tiny", max_tokens=5, messages=user, extra_body={"seed": 99})
+        assert [sp.seed for sp in stack.engines[0].samplings] == [call_seed(7, 0), 99]
+        assert (await http.get("/internal/executions/exec-s")).json()["call_budget_spent"] is False
+        with pytest.raises(anthropic.BadRequestError, match="call budget"):
+            await client.messages.create(model="tiny", max_tokens=5, messages=user)
+        status = (await http.get("/internal/executions/exec-s")).json()
+    assert status["call_budget_spent"] is True and status["answered"] == 2 and status["last_infra_refusal"] is None
+    assert len(stack.engines[0].samplings) == 2 and len(stack.recorder.calls("exec-s")) == 2
+
+
 async def test_a_failed_record_fails_the_request() -> None:
     stack = build_stack([ScriptedEngine(CODEC)], CODEC)
     token = stack.registry.register("exec-f")
