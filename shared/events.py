@@ -70,6 +70,21 @@ class EventData(_Frozen):
     SCHEMA_VERSION: ClassVar[int] = 1
 
 
+class _Extended(EventData):
+    """A payload with fields added after events of its type were first written (`WRITTEN_WHEN_SET`): they are
+    left out of the JSON while they hold their default, so those earlier events export byte-identically."""
+
+    WRITTEN_WHEN_SET: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit_unset_additions(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        for name in self.WRITTEN_WHEN_SET:
+            if name in data and data[name] == type(self).model_fields[name].get_default(call_default_factory=True):
+                del data[name]
+        return data
+
+
 REGISTRY: dict[str, type[EventData]] = {}
 
 
@@ -171,7 +186,7 @@ class CallCompleted(EventData):
 
 
 @register
-class QueryDispatched(EventData):
+class QueryDispatched(_Extended):
     """The scheduler orders one query (a task run as a group of `group_size` executions)."""
 
     TYPE: ClassVar[str] = "query.dispatched"
@@ -182,10 +197,14 @@ class QueryDispatched(EventData):
     step: int = Field(ge=0)  # the training step this query's group feeds
     policy_version: int = Field(ge=0)
     harness: str = "builtin"
+    # The cell the scheduler placed each sample on (index = sample); the router starts the execution there
+    # when that cell's worker takes sessions. Empty: the router chooses.
+    placements: list[str] = Field(default_factory=list)
+    WRITTEN_WHEN_SET: ClassVar[tuple[str, ...]] = ("placements",)
 
 
 @register
-class ExecutionStarted(EventData):
+class ExecutionStarted(_Extended):
     TYPE: ClassVar[str] = "execution.started"
     execution_id: str
     query_id: str
@@ -198,6 +217,8 @@ class ExecutionStarted(EventData):
     policy_version: int = Field(default=0, ge=0)
     wall_budget_s: float | None = None
     call_budget: int | None = None
+    cell_id: str | None = None  # where the scheduler placed it (QueryDispatched.placements)
+    WRITTEN_WHEN_SET: ClassVar[tuple[str, ...]] = ("cell_id",)
 
 
 @register
@@ -221,7 +242,7 @@ class ExecutionTimedOut(EventData):
 
 
 @register
-class ExecutionFinished(EventData):
+class ExecutionFinished(_Extended):
     TYPE: ClassVar[str] = "execution.finished"
     execution_id: str
     elapsed_s: float = Field(ge=0)
@@ -230,18 +251,11 @@ class ExecutionFinished(EventData):
     # True when the model API, not the agent, ended it (stop_reason then says how): the score of a recovered
     # execution must carry that on (ExecutionScored.infra_failure), as the live path's does.
     infra_failure: bool = False
-
-    @model_serializer(mode="wrap")
-    def _omit_absent_failure(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # Written only when set: events from before the field existed export byte-identically.
-        data: dict[str, Any] = handler(self)
-        if not data.get("infra_failure"):
-            data.pop("infra_failure", None)
-        return data
+    WRITTEN_WHEN_SET: ClassVar[tuple[str, ...]] = ("infra_failure",)
 
 
 @register
-class ExecutionScored(EventData):
+class ExecutionScored(_Extended):
     TYPE: ClassVar[str] = "execution.scored"
     execution_id: str
     query_id: str
@@ -253,14 +267,7 @@ class ExecutionScored(EventData):
     # after retries, its sandbox or harness failed, or nothing of it was left to grade. The reward then says
     # nothing about the policy, so the trajectory service leaves the execution out of its group and batch.
     infra_failure: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _omit_absent_failure(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # Written only when set: events from before the field existed export byte-identically.
-        data: dict[str, Any] = handler(self)
-        if data.get("infra_failure") is None:
-            data.pop("infra_failure", None)
-        return data
+    WRITTEN_WHEN_SET: ClassVar[tuple[str, ...]] = ("infra_failure",)
 
 
 # ---- training --------------------------------------------------------------------------------------

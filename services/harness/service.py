@@ -133,6 +133,7 @@ class HarnessService(Service):
                 policy_version=q.policy_version,
                 wall_budget_s=self.h.wall_budget_s,
                 call_budget=self.h.call_budget,
+                cell_id=q.placements[planned.sample_index] if len(q.placements) == q.group_size else None,
             )
             stream = stream_id_for("execution", planned.execution_id)
             tx.append([self.event(started, stream_id=stream, cause=event)], expected_version="any")
@@ -147,10 +148,12 @@ class HarnessService(Service):
 
     async def _register(self, started: ExecutionStarted) -> str:
         """Mint the execution's token at the gateway, handing it the execution's seed (every call samples with
-        `call_seed(seed, index)` unless it brings its own) and call budget (calls past it are refused)."""
+        `call_seed(seed, index)` unless it brings its own), call budget (calls past it are refused) and the
+        cell the scheduler placed it on (the router starts it there)."""
         assert self._http is not None
         headers = {"x-api-key": self.h.gateway_admin_token} if self.h.gateway_admin_token else {}
-        body = {"execution_id": started.execution_id, "seed": started.seed, "max_calls": started.call_budget}
+        body = {"execution_id": started.execution_id, "seed": started.seed, "max_calls": started.call_budget,
+                "cell_id": started.cell_id}
         response = await self._http.post(f"{self.h.gateway_url}/internal/executions", json=body, headers=headers)
         response.raise_for_status()
         return str(response.json()["token"])

@@ -104,9 +104,13 @@ class GatewayCore:
         else:
             state.last_infra_refusal = None
 
-    def start_execution(self, execution_id: str, *, seed: int | None, max_calls: int | None) -> None:
+    def start_execution(
+        self, execution_id: str, *, seed: int | None = None, max_calls: int | None = None, cell_id: str | None = None
+    ) -> None:
         state = self._state(execution_id)
         state.seed, state.max_calls = seed, max_calls
+        if cell_id is not None:
+            self.router.prefer(execution_id, cell_id)
 
     def call_status(self, execution_id: str) -> dict[str, Any]:
         """What the gateway saw of an execution's calls, from its first call until its end (`known` is False
@@ -368,12 +372,14 @@ def create_app(
             token = body.get("token")
             if token is not None and (not isinstance(token, str) or len(token) < 16):
                 raise invalid("token: expected a string of at least 16 characters")
-            seed, max_calls = body.get("seed"), body.get("max_calls")
+            seed, max_calls, cell_id = body.get("seed"), body.get("max_calls"), body.get("cell_id")
             if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
                 raise invalid(f"seed: expected an integer, got {seed!r}")
             if max_calls is not None and (isinstance(max_calls, bool) or not isinstance(max_calls, int) or max_calls < 1):
                 raise invalid(f"max_calls: expected an integer ≥ 1, got {max_calls!r}")
-            core.start_execution(body["execution_id"], seed=seed, max_calls=max_calls)
+            if cell_id is not None and not isinstance(cell_id, str):
+                raise invalid(f"cell_id: expected a string, got {cell_id!r}")
+            core.start_execution(body["execution_id"], seed=seed, max_calls=max_calls, cell_id=cell_id)
             return JSONResponse({"execution_id": body["execution_id"],
                                  "token": registry.register(body["execution_id"], token)})
         except ApiError as exc:

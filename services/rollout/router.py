@@ -98,6 +98,7 @@ class Router:
         self.max_attempts = max_attempts
         self.retry_after_s = retry_after_s
         self.placement: dict[str, str] = {}  # execution_id -> worker_id (sticky)
+        self.preferred: dict[str, str] = {}  # execution_id -> the cell the scheduler placed it on
         self._mirrors: dict[tuple[str, str], _Mirror] = {}
         self.log = get_logger(component="router")
 
@@ -107,8 +108,14 @@ class Router:
         sessions = max(status.live_sessions, placed)
         return (sessions / status.capacity, status.in_flight, status.worker_id)
 
+    def prefer(self, execution_id: str, cell_id: str) -> None:
+        """The scheduler placed this execution on `cell_id`: its first placement goes there if it can."""
+        self.preferred[execution_id] = cell_id
+
     def place(self, execution_id: str, *, exclude: set[str] | None = None) -> str:
-        """Least-loaded active worker with room for one more session; NoCapacity when there is none."""
+        """The worker of the cell the scheduler placed the execution on, when it is active with room (the
+        scheduler's snapshot counts the session there); else the least-loaded active worker with room for one
+        more session; NoCapacity when there is none."""
         exclude = exclude or set()
         options = [
             s
@@ -117,7 +124,8 @@ class Router:
         ]
         if not options:
             raise NoCapacity(self.retry_after_s, f"{len(self.directory.live())} live workers, none with room")
-        chosen = min(options, key=self._load).worker_id
+        cell = self.preferred.pop(execution_id, None)
+        chosen = next((s.worker_id for s in options if s.cell_id == cell), None) or min(options, key=self._load).worker_id
         self.placement[execution_id] = chosen
         return chosen
 
@@ -126,6 +134,7 @@ class Router:
 
     def forget(self, execution_id: str) -> None:
         self.placement.pop(execution_id, None)
+        self.preferred.pop(execution_id, None)
         for key in [k for k in self._mirrors if k[0] == execution_id]:
             del self._mirrors[key]
 

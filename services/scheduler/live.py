@@ -25,6 +25,7 @@ from services.scheduler.policies import (
 )
 from shared.events import (
     BatchReady,
+    CallCompleted,
     CellAssigned,
     CellDraining,
     CellReady,
@@ -48,6 +49,7 @@ FOLDED_TYPES: tuple[str, ...] = (
     "cell.released",
     "cell.ready",
     "kv.migrated",
+    "call.completed",
     "query.dispatched",
     "execution.started",
     "execution.finished",
@@ -133,7 +135,7 @@ class QueryPlan:
         step, index = self.slot(n)
         return [derive_seed(self.seed, step, index, sample) for sample in range(self.group_size)]
 
-    def dispatch(self, n: int, *, policy_version: int) -> QueryDispatched:
+    def dispatch(self, n: int, *, policy_version: int, placements: tuple[str, ...] = ()) -> QueryDispatched:
         if not 0 <= n < self.total_queries:
             raise PlanError(f"expected a query number in [0, {self.total_queries}), got {n}")
         step, _ = self.slot(n)
@@ -145,6 +147,7 @@ class QueryPlan:
             step=step,
             policy_version=policy_version,
             harness=self.harness,
+            placements=list(placements),
         )
 
 
@@ -186,9 +189,10 @@ class RunView:
     """Everything the scheduler knows about its run, built only from the run's events in log order.
 
     Sessions are counted live from the dispatch of their query (the harness announces them later) until
-    they finish or time out. A session's cell is estimated by spreading each query over the rollout cells
-    (least loaded first): the router places sessions itself, and the policies need the load, not the
-    exact cell.
+    they finish or time out. A session's cell is where the policy placed it (the dispatch's `placements`,
+    which the router follows while that cell takes sessions), then where its calls are served
+    (`call.completed`) and where it migrates (`kv.migrated`). A dispatch without placements is spread
+    over the cells taking sessions, least loaded first, as the router does.
     """
 
     plan: QueryPlan
@@ -247,9 +251,9 @@ class RunView:
                     self.switch_samples.setdefault(role, []).append(data.switch_seconds)
                 cell.role, cell.state, cell.role_since_s, cell.leaving = role, CellState.ACTIVE, at, None
             case KvMigrated():
-                key = self.session_of.get(data.execution_id)
-                if key is not None:
-                    self.sessions[key].cell_id = data.to_cell
+                self._seen_on(data.execution_id, data.to_cell)
+            case CallCompleted():
+                self._seen_on(data.execution_id, data.cell_id)
             case QueryDispatched():
                 self._dispatched(data)
             case ExecutionStarted():
@@ -295,21 +299,31 @@ class RunView:
         self.queries[data.query_id] = _Query(data.query_id, data.step, data.group_size, number)
         if number is not None:
             self.dispatched_numbers.add(number)
-        load = {c.cell_id: 0 for c in self.cells.values() if c.role is Role.ROLLOUT}
+        taking = [c.cell_id for c in self.cells.values() if c.role is Role.ROLLOUT and c.state is CellState.ACTIVE]
+        load = dict.fromkeys(taking or [c.cell_id for c in self.cells.values() if c.role is Role.ROLLOUT], 0)
         if not load:
             load = {c: 0 for c in self.cells} or {"": 0}
         for s in self.sessions.values():
             if s.cell_id in load:
                 load[s.cell_id] += 1
+        placed = data.placements if len(data.placements) == data.group_size else None
         for sample in range(data.group_size):
-            cell_id = min(load, key=lambda c: (load[c], c))
-            load[cell_id] += 1
+            if placed is not None:
+                cell_id = placed[sample]
+            else:
+                cell_id = min(load, key=lambda c: (load[c], c))
+                load[cell_id] += 1
             # The harness names executions `<query>-s<i>`; execution.started confirms the real id.
             execution_id = f"{data.query_id}-s{sample}"
             self.sessions[(data.query_id, sample)] = _Session(
                 execution_id, data.query_id, cell_id, data.step, data.policy_version
             )
             self.session_of[execution_id] = (data.query_id, sample)
+
+    def _seen_on(self, execution_id: str, cell_id: str) -> None:
+        key = self.session_of.get(execution_id)
+        if key is not None and cell_id:
+            self.sessions[key].cell_id = cell_id
 
     def _move_sessions_off(self, cell_id: str) -> None:
         """A cell leaving rollout: its worker migrates its sessions to the least loaded other rollout

@@ -218,10 +218,10 @@ class SchedulerService(Service):
                     await self.emit([event], expected_version="any")
                     emitted.append(event)
                     self.log.info("cell_assigned", cell_id=cell_id, role=role.value)
-                case DispatchQuery(query_id=query_id, policy_version=version):
+                case DispatchQuery(query_id=query_id, policy_version=version, placements=placements):
                     number = self.plan.number_of(query_id)
                     assert number is not None, f"the policy dispatched {query_id!r}, which the plan never queued"
-                    data = self.plan.dispatch(number, policy_version=version)
+                    data = self.plan.dispatch(number, policy_version=version, placements=placements)
                     event = self.event(data, stream_id=query_stream(query_id))
                     try:
                         await self.emit([event], expected_version=0)

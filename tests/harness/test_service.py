@@ -90,7 +90,8 @@ async def dispatch_and_wait(
 
 async def test_a_dispatched_query_runs_its_group_and_scores_each_execution(store, bus, infra: Infra, tmp_path):
     server = gateway([shell("printf 'hello world\\n' > /app/hello.txt"), submit(), submit()])
-    query = QueryDispatched(query_id="q1", task_id="create-file-1", group_size=2, seeds=[11, 12], step=0, policy_version=0)
+    query = QueryDispatched(query_id="q1", task_id="create-file-1", group_size=2, seeds=[11, 12], step=0, policy_version=0,
+                            placements=["n1-cell1", "n1-cell0"])
     events = await dispatch_and_wait(store, bus, infra, tmp_path, server, query,
                                      {"execution.started": 2, "execution.finished": 2, "execution.scored": 2})
     scored = {e.data.execution_id: e.data for e in events if e.type == "execution.scored"}
@@ -98,10 +99,12 @@ async def test_a_dispatched_query_runs_its_group_and_scores_each_execution(store
     assert scored[execution_id_for("q1", 1)].reward < 1.0
     assert all(s.infra_failure is None for s in scored.values())
     started = [e.data for e in events if e.type == "execution.started"]
-    assert [(s.sample_index, s.seed, s.group_size) for s in started] == [(0, 11, 2), (1, 12, 2)]
+    assert [(s.sample_index, s.seed, s.group_size, s.cell_id) for s in started] == [
+        (0, 11, 2, "n1-cell1"), (1, 12, 2, "n1-cell0")]
     assert server.registered == [execution_id_for("q1", 0), execution_id_for("q1", 1)]  # type: ignore[attr-defined]
     # The gateway gets each execution's seed (it seeds every call) and call budget (it enforces it).
-    assert [(b["seed"], b["max_calls"]) for b in server.registrations] == [(11, None), (12, None)]  # type: ignore[attr-defined]
+    assert [(b["seed"], b["max_calls"], b["cell_id"]) for b in server.registrations] == [  # type: ignore[attr-defined]
+        (11, None, "n1-cell1"), (12, None, "n1-cell0")]
     # Every request carried its own execution's token.
     assert {h["authorization"] for h in server.headers} == {
         f"Bearer tok-{execution_id_for('q1', i)}-0123456789" for i in (0, 1)

@@ -296,11 +296,14 @@ async def test_registration_hands_the_gateway_the_executions_seed_and_call_budge
 
     stack = build_stack([ScriptedEngine(CODEC)], CODEC)
     async with stack.http() as http:
-        for bad in ({"execution_id": "e", "seed": "7"}, {"execution_id": "e", "max_calls": 0}):
+        for bad in ({"execution_id": "e", "seed": "7"}, {"execution_id": "e", "max_calls": 0},
+                    {"execution_id": "e", "cell_id": 5}):
             r = await http.post("/internal/executions", json=bad)
             assert r.status_code == 400, bad
-        r = await http.post("/internal/executions", json={"execution_id": "exec-s", "seed": 7, "max_calls": 2})
+        r = await http.post("/internal/executions",
+                            json={"execution_id": "exec-s", "seed": 7, "max_calls": 2, "cell_id": "cell-x"})
         token = r.json()["token"]
+        assert stack.core.router.preferred == {"exec-s": "cell-x"}  # the router starts it there if it can
         client = stack.anthropic(token)
         user = [{"role": "user", "content": "hi"}]
         await client.messages.create(model="tiny", max_tokens=5, messages=user)

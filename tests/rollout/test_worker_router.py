@@ -139,6 +139,23 @@ def test_router_places_least_loaded_and_sticks() -> None:
         router.place("e6")
 
 
+def test_router_starts_an_execution_on_the_cell_the_scheduler_placed_it_on_when_it_can() -> None:
+    directory = WorkerDirectory(stale_after_s=1e9)
+    workers = LocalWorkers()
+    for wid in ("a", "b", "c"):
+        w = RolloutWorker(ScriptedEngine(CODEC), worker_id=f"w-{wid}", cell_id=wid, capacity=2)
+        workers.add(w)
+        directory.update(w.status())
+    router = Router(directory, workers)
+    router.prefer("e0", "c")
+    router.prefer("e1", "c")
+    router.prefer("e2", "c")  # c is full by then: least loaded instead
+    router.prefer("e3", "gone")  # no such worker (its cell left rollout): least loaded
+    assert [router.place(f"e{i}") for i in range(4)] == ["w-c", "w-c", "w-a", "w-b"]
+    router.forget("e0")
+    assert router.place("e0") == "w-a"  # a preference is used once: a later placement goes least loaded
+
+
 def test_kv_prompt_length_matches_the_connector_key_rule() -> None:
     block = 16
     for n in range(1, 100):

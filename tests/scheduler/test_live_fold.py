@@ -14,6 +14,7 @@ from services.scheduler.policies.actions import AssignCell, DispatchQuery, apply
 from shared.events import (
     BatchReady,
     BlobRef,
+    CallCompleted,
     CellAssigned,
     CellDraining,
     CellReady,
@@ -207,6 +208,46 @@ def test_sessions_follow_migrations_and_leave_a_cell_ordered_out_of_rollout() ->
     assert {e.execution_id: e.cell_id for e in v.snapshot(0).live} == {"r1-step0-q0-s0": "c2", "r1-step0-q0-s1": "c0"}
 
 
+def test_sessions_sit_where_the_policy_placed_them_then_where_their_calls_are_served() -> None:
+    v, log = view(), Log()
+    ready_cells(v, log, {"c0": "rollout", "c1": "rollout", "c2": "rollout"})
+    v.apply(log(v.plan.dispatch(0, policy_version=0, placements=("c2", "c2"))))
+    assert {e.cell_id for e in v.snapshot(0).live} == {"c2"}
+    v.apply(log(CallCompleted(execution_id="r1-step0-q0-s1", call_id="k", call_index=0, record=REF, prompt_tokens=3,
+                              new_prompt_tokens=3, completion_tokens=1, policy_version=0, cell_id="c0")))
+    assert {e.execution_id: e.cell_id for e in v.snapshot(0).live} == {"r1-step0-q0-s0": "c2", "r1-step0-q0-s1": "c0"}
+
+
+def test_without_placements_sessions_are_spread_over_cells_that_take_sessions_only() -> None:
+    """A cell switching into rollout is not running its worker yet: the router places nothing there."""
+    v, log = view(), Log()
+    ready_cells(v, log, {"c0": "train", "c1": "rollout"})
+    v.apply(log(CellAssigned(cell_id="c0", role="rollout", policy="elastic")))  # switching, not yet ready
+    v.apply(log(v.plan.dispatch(0, policy_version=0)))
+    assert {e.cell_id for e in v.snapshot(0).live} == {"c1"}
+
+
+def test_elastic_never_sends_a_cell_holding_a_session_to_training_while_another_switches_in() -> None:
+    """The policy places a query on the only cell taking sessions while another switches into rollout; with the
+    placement folded, the next decision sees that cell occupied and does not order it to train."""
+    v, log = view(plan(queries_per_step=1, group_size=1), staleness=1), Log()
+    ready_cells(v, log, {"a": "train", "b": "rollout"})
+    policy = make_policy("elastic", budget_cells=2)
+    v.apply(log(v.plan.dispatch(0, policy_version=0, placements=("b",))))
+    v.apply(log(CellAssigned(cell_id="a", role="rollout", policy="elastic")))
+    snap = v.snapshot(float(log.t))
+    (dispatch,) = [x for x in policy.decide(snap) if isinstance(x, DispatchQuery)]
+    assert dispatch.placements == ("b",)
+    v.apply(log(v.plan.dispatch(1, policy_version=0, placements=dispatch.placements)))
+    v.apply(log(ExecutionFinished(execution_id="r1-step0-q0-s0", elapsed_s=1, calls=1)))
+    v.apply(log(ExecutionScored(execution_id="r1-step0-q0-s0", query_id="r1-step0-q0", reward=1.0, tests_passed=1,
+                                tests_total=1)))
+    snap = v.snapshot(float(log.t) + 400)
+    actions = policy.decide(snap)
+    apply_actions(snap, actions, allow_parking=False)  # raises if a cell with a session is ordered to train
+    assert AssignCell("b", Role.TRAIN) not in actions
+
+
 def test_a_pool_with_no_rollout_cell_left_parks_its_sessions() -> None:
     v, log = view(), Log()
     ready_cells(v, log, {"c0": "rollout"})
@@ -260,9 +301,11 @@ def test_a_simulated_run_dispatches_each_query_once_within_the_bound(mode, cells
                 elif isinstance(a, DispatchQuery):
                     n = p.number_of(a.query_id)
                     assert n is not None
-                    data = p.dispatch(n, policy_version=a.policy_version)
+                    data = p.dispatch(n, policy_version=a.policy_version, placements=a.placements)
                     dispatched.append((data.step, v.policy_version))
                     v.apply(log(data))
+                    # The fold holds each session where the policy placed it (the router follows that).
+                    assert tuple(v.sessions[(a.query_id, i)].cell_id for i in range(p.group_size)) == a.placements
         elif op == "finish" and v.sessions:
             key = min(v.sessions)
             v.apply(log(ExecutionFinished(execution_id=v.sessions[key].execution_id, elapsed_s=1, calls=1)))
