@@ -243,9 +243,10 @@ class Bus:
                 durable_name=name,
                 ack_policy=AckPolicy.EXPLICIT,
                 deliver_policy=DeliverPolicy.ALL,
-                # No server-side `backoff`: the server would replace `ack_wait` with its first entry and
-                # redeliver a message whose handler is still running. Failed handlers nak with the backoff
-                # delays themselves (`handle_one`); `ack_wait` only covers a consumer that died holding one.
+                # No server-side `backoff`: the server would replace `ack_wait` with its first entry. Failed
+                # handlers nak with the backoff delays themselves (`handle_one`); a running handler keeps its
+                # message with progress acks, so `ack_wait` is how long a consumer that died holding a
+                # message delays it.
                 ack_wait=options.ack_wait_s,
                 max_deliver=options.max_deliver,
                 filter_subjects=several,
@@ -422,6 +423,25 @@ class JetStreamConsumer:
                     # the server delivers the message again after `ack_wait`; the loop must not die with it
                     log.exception("delivery_failed", consumer=self.name, subject=msg.subject)
 
+    async def _while_in_progress(self, msg: Msg, work: Awaitable[None]) -> None:
+        """Run a handler, telling the server every third of `ack_wait` that the message is still being worked
+        on: a trainer step may take many minutes and must not be redelivered meanwhile, while a message whose
+        consumer died comes back after one `ack_wait`."""
+
+        async def beat() -> None:
+            while True:
+                await asyncio.sleep(self.options.ack_wait_s / 3)
+                try:
+                    await msg.in_progress()
+                except Exception as exc:  # a lost beat costs at worst a redelivery, which tracking absorbs
+                    log.warning("progress_ack_failed", consumer=self.name, error=str(exc))
+
+        beating = asyncio.create_task(beat())
+        try:
+            await work
+        finally:
+            beating.cancel()
+
     async def handle_one(self, msg: Msg, handler: Handler) -> None:
         try:
             event = parse_event(msg.data)
@@ -434,7 +454,7 @@ class JetStreamConsumer:
             await msg.ack()
             return
         try:
-            await handler(event, msg)
+            await self._while_in_progress(msg, handler(event, msg))
         except PoisonMessage as exc:
             await self.bus.dead_letter(self.name, msg, f"poison: {exc}")
             await msg.term()

@@ -27,5 +27,6 @@ def loop_test_environment(
             "GYRE_HARNESS_CALL_BUDGET": "3",
             "GYRE_HARNESS_MAX_TOKENS": "48",
             "GYRE_ROLLOUT_MAX_MODEL_LEN": "8192",
+            "GYRE_ACK_WAIT_S": "5",  # what a killed service held comes back within seconds, not half a minute
         },
     )

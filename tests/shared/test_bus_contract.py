@@ -271,6 +271,25 @@ async def test_the_server_keeps_the_consumers_ack_wait(nbus: Bus):
     assert info.config.ack_wait == FAST.ack_wait_s and not info.config.backoff
 
 
+async def test_a_handler_running_longer_than_ack_wait_keeps_its_message(nbus: Bus):
+    """Progress acks: a 2.5 s handler under a 1 s ack_wait is delivered once, not again while it runs."""
+    event = assigned()
+    await nbus.publish(event)
+    deliveries: list[int] = []
+
+    async def slow(ev, msg):
+        deliveries.append(msg.metadata.num_delivered)
+        await asyncio.sleep(2.5)
+
+    async def done():
+        while not deliveries:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(4.0)  # long enough for a redelivery to show up
+
+    await consume_until(nbus, "slow", ["cell.assigned"], slow, done)
+    assert deliveries == [1]
+
+
 async def test_request_reply(nbus: Bus):
     async def echo(data: bytes) -> bytes:
         return data[::-1]
