@@ -47,7 +47,9 @@ class InvalidEventPayload(EventError):
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # No NaN or infinity: JSON cannot hold them (pydantic would write null, which no reader accepts back, and
+    # one such event would block every read of the log past it), so a producer fails here instead.
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 Role = Literal["rollout", "train", "idle"]

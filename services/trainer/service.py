@@ -9,6 +9,7 @@ re-emitted; a batch for a later step than the next one waits (is retried) until 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -47,7 +48,9 @@ class TrainerOptions(BaseSettings):
     publish_every: int = 1  # publish weights after every N-th step (and always after the first)
     first_step: int = 0  # the step number of the first batch of a run
     keep_checkpoints: int = 2
-    ack_wait_s: float = 900.0  # a step may take minutes; the bus must not redeliver meanwhile
+    # How long a batch a crashed trainer held waits for redelivery (default: the shared GYRE_ACK_WAIT_S). A
+    # step may take many minutes; the consumer's progress acks keep its batch from redelivery meanwhile.
+    ack_wait_s: float | None = None
     checkpoint_dir: Path | None = None  # default: <state_dir>/trainer/<run_id>/checkpoints
 
 
@@ -107,9 +110,12 @@ class TrainerService(Service):
         self.reform_s = timing.total_s
         state = self._checkpoint_state()
         if state:
-            self.last_step = int(state.get("last_step", self.last_step))
-            self.last_metrics = dict(state.get("metrics", {}))
-            self.last_seconds = float(state.get("seconds", 0.0))
+            self._remember(state)
+        else:
+            # A checkpoint of the starting weights, so that a step that fails after changing the weights in
+            # memory can always be rolled back to the last saved state (`_roll_back`).
+            await asyncio.to_thread(trainer.save, self.checkpoint_root, self.options.keep_checkpoints,
+                                    {"last_step": self.last_step})
         self.log.info(
             "trainer_ready",
             world_size=spec.world_size,
@@ -122,12 +128,34 @@ class TrainerService(Service):
         )
         if trainer.policy_version == 0:
             await self._publish_initial()
+        if self.last_step >= self.options.first_step:
+            # Checkpointed but perhaps not committed before a crash: emit it now, before any later batch
+            # (a later one can arrive first, while the crashed consumer's message waits out its ack_wait).
+            assert self.store is not None
+            async with self.store.transaction() as tx:
+                await self._emit_step(tx, None, self.last_step, self.last_metrics, self.last_seconds)
         options = ConsumerOptions(
-            ack_wait_s=self.options.ack_wait_s,
+            ack_wait_s=self.options.ack_wait_s or self.settings.ack_wait_s,
             max_deliver=max(self.settings.max_deliver, 1000),  # out-of-order waits are retries, not failures
             backoff_s=tuple(self.settings.backoff_s),
         )
         self.on(["batch.ready"], self.handle, options=options)
+
+    def _remember(self, state: dict[str, Any]) -> None:
+        """Take the last trained step and its result from a checkpoint's trainer state."""
+        self.last_step = int(state.get("last_step", self.options.first_step - 1))
+        self.last_metrics = dict(state.get("metrics", {}))
+        self.last_seconds = float(state.get("seconds", 0.0))
+
+    def _roll_back(self) -> None:
+        """Put the trainer (weights, optimiser, counters) and the step bookkeeping back to the latest checkpoint."""
+        from services.trainer.distributed import latest_checkpoint
+
+        assert self.trainer is not None
+        latest = latest_checkpoint(self.checkpoint_root)
+        if latest is None:
+            raise TrainerServiceError(f"no checkpoint under {self.checkpoint_root} to roll a failed step back to")
+        self._remember(self.trainer.resume(latest))
 
     def _checkpoint_state(self) -> dict[str, Any]:
         from services.trainer.distributed import latest_checkpoint, read_trainer_state
@@ -171,17 +199,24 @@ class TrainerService(Service):
             raise TrainerServiceError(f"batch.ready says step {data.step}, the batch blob says {batch.step}")
         started = time.perf_counter()
         metrics = await asyncio.to_thread(self.trainer.step, batch)
-        seconds = time.perf_counter() - started
-        metrics["staleness_bound_violations"] = float(
-            metrics["staleness_max"] > self.settings.max_staleness
-        )
-        # Checkpoint before commit: a crash after this line finds the step trained and only re-emits.
-        await asyncio.to_thread(
-            self.trainer.save,
-            self.checkpoint_root,
-            self.options.keep_checkpoints,
-            {"last_step": data.step, "metrics": metrics, "seconds": seconds},
-        )
+        try:
+            seconds = time.perf_counter() - started
+            metrics["staleness_bound_violations"] = float(
+                metrics["staleness_max"] > self.settings.max_staleness
+            )
+            # Checkpoint before commit: a crash after this line finds the step trained and only re-emits.
+            await asyncio.to_thread(
+                self.trainer.save,
+                self.checkpoint_root,
+                self.options.keep_checkpoints,
+                {"last_step": data.step, "metrics": metrics, "seconds": seconds},
+            )
+        except BaseException:
+            # The weights moved in memory but the step is not saved: go back to the last checkpoint, so the
+            # batch's redelivery trains it once from the same weights (or, if the save did complete, finds it
+            # trained and only re-emits).
+            await asyncio.to_thread(self._roll_back)
+            raise
         self.last_step, self.last_metrics, self.last_seconds = data.step, metrics, seconds
         await self._emit_step(tx, event, data.step, metrics, seconds)
         self.log.info("step_completed", step=data.step, seconds=round(seconds, 3), **{
@@ -189,13 +224,19 @@ class TrainerService(Service):
         })
 
     async def _emit_step(
-        self, tx: Transaction, cause: Event, step: int, metrics: dict[str, float], seconds: float
+        self, tx: Transaction, cause: Event | None, step: int, metrics: dict[str, float], seconds: float
     ) -> None:
         assert self.trainer is not None and self.store is not None
         stream = step_stream_id(self.settings.run_id, step)
         if await self.store.read_stream(stream):
             return  # emitted and committed already
         version = self.trainer.policy_version
+        # An event cannot hold NaN or infinity (JSON); a diverged step says so by name and count instead.
+        nonfinite = sorted(k for k, v in metrics.items() if not math.isfinite(v))
+        if nonfinite:
+            self.log.warning("nonfinite_metrics", step=step, metrics=nonfinite)
+            metrics = {**{k: v for k, v in metrics.items() if k not in nonfinite},
+                       "nonfinite_metrics": float(len(nonfinite))}
         completed = StepCompleted(
             step=step,
             policy_version=version,

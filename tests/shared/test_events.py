@@ -116,6 +116,13 @@ def test_garbage_is_an_invalid_payload(raw):
         parse_event(raw)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_no_event_holds_a_value_json_cannot(bad):
+    """JSON has no NaN or infinity: such an event would be written as null and never read back."""
+    with pytest.raises(Exception, match="finite"):
+        scored(reward=bad)
+
+
 def test_blob_refs_must_be_sha256_digests():
     with pytest.raises(Exception):
         BlobRef(digest="md5:abc", size=1)

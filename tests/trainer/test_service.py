@@ -40,7 +40,8 @@ class CrashBeforeCommit(FastTrainerService):
     async def _emit_step(self, tx, cause, step, metrics, seconds):  # noqa: ANN001, ANN202
         if step == self.crash_at:
             self.stop_event.set()
-            raise Crash("simulated crash after checkpoint, before commit")
+            # Killed, not failed: the handler neither acks nor naks, so the batch waits out its ack_wait.
+            raise asyncio.CancelledError("simulated crash after checkpoint, before commit")
         await super()._emit_step(tx, cause, step, metrics, seconds)
 
 
@@ -100,11 +101,12 @@ async def test_trainer_service_trains_each_step_once_across_a_crash_before_commi
         state = read_trainer_state(latest_checkpoint(settings.state_dir / "trainer" / run_id / "checkpoints"))
         assert state["last_step"] == 2 and state["step_count"] == 3
 
+        # Batch 3 is there before the restart, batch 2's message still held by the dead consumer: step 2's
+        # result must be emitted from the checkpoint, not lost behind step 3.
+        await put_batch(store, run_id, 3)
         second = FastTrainerService(settings, options)
         await second.start()
-        assert second.last_step == 2
-        await put_batch(store, run_id, 3)
-        completed = await wait_for(store, run_id, "step.completed", 4)
+        completed = await wait_for(store, run_id, "step.completed", 4, timeout=25)  # < ack_wait
         await second.stop()
     finally:
         await relay.stop()
@@ -130,6 +132,59 @@ async def test_trainer_service_trains_each_step_once_across_a_crash_before_commi
     weights = load_safetensors(blob)
     base = load_safetensors((model_dir / "model.safetensors").read_bytes())
     assert weights.keys() == base.keys()
+
+
+class FailsAfterTheStep(FastTrainerService):
+    """Step 1's checkpoint write fails once after the in-memory step (a full disk, say); step 2's gradient norm
+    is infinite."""
+
+    async def setup(self) -> None:
+        await super().setup()
+        assert self.trainer is not None
+        trainer, real_save, real_step = self.trainer, self.trainer.save, self.trainer.step
+        failed: list[int] = []
+
+        def save(root, keep=2, extra=None):  # noqa: ANN001, ANN202
+            if extra and extra.get("last_step") == 1 and not failed:
+                failed.append(1)
+                raise OSError("no space left on device")
+            return real_save(root, keep, extra)
+
+        def step(batch):  # noqa: ANN001, ANN202
+            metrics = real_step(batch)
+            return {**metrics, "grad_norm": float("inf")} if batch.step == 2 else metrics
+
+        trainer.save = save  # type: ignore[method-assign]
+        trainer.step = step  # type: ignore[method-assign]
+
+
+@pytest.mark.timeout(600)
+async def test_a_step_whose_checkpoint_fails_is_rolled_back_and_trained_once(
+    store, bus, infra: Infra, tmp_path: Path
+) -> None:
+    run_id = unique("trainfail")
+    settings = Settings(
+        database_url=infra.database_url, nats_url=infra.nats_url, db_schema=store.schema,
+        subject_prefix=bus.prefix, run_id=run_id, model_dir=create_tiny_model(tmp_path / "model", seed=4),
+        state_dir=tmp_path / "state", max_staleness=1,
+    )
+    relay = RunningRelay(store, bus, infra)
+    service = FailsAfterTheStep(settings, TrainerOptions(lr=1e-3, precision="fp32"))
+    try:
+        await service.start()
+        for step in range(3):
+            await put_batch(store, run_id, step)
+        completed = await wait_for(store, run_id, "step.completed", 3)
+        await service.stop()
+    finally:
+        await relay.stop()
+    by_step = {e.data.step: e.data for e in completed}
+    assert [by_step[s].policy_version for s in range(3)] == [1, 2, 3], "a batch was applied twice"
+    state = read_trainer_state(latest_checkpoint(settings.state_dir / "trainer" / run_id / "checkpoints"))
+    assert state["step_count"] == 3
+    # An event cannot carry infinity: the metric is left out and counted.
+    assert "grad_norm" not in by_step[2].metrics and by_step[2].metrics["nonfinite_metrics"] == 1.0
+    assert by_step[1].metrics["grad_norm"] >= 0
 
 
 @pytest.mark.timeout(600)
