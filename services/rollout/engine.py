@@ -5,6 +5,7 @@ The worker talks only to `Engine`; tests may use a fake, the worker shell uses `
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Mapping
@@ -17,6 +18,7 @@ from services.rollout.protocol import SamplingSpec
 # Request-id prefixes the Gyre KV connector acts on (see kv_connector.py): only these save or load KV.
 KV_SAVE_PREFIX = "kvsave-"
 KV_LOAD_PREFIX = "kvload-"
+RESET_ATTEMPTS = 50  # tries, 0.1 s apart, to drop the prefix cache after a weight swap
 
 
 class EngineError(Exception):
@@ -177,7 +179,14 @@ class VllmEngine:
         await self.reset_prefix_cache()
 
     async def reset_prefix_cache(self) -> None:
-        await self._llm.reset_prefix_cache()
+        """Drop the prefix cache. vLLM refuses (returns False) while a request holds cache blocks; the worker
+        swaps weights only with nothing running, so a refusal is retried briefly and then is an error: the
+        old policy's KV must not be served under the new weights."""
+        for _ in range(RESET_ATTEMPTS):
+            if await self._llm.reset_prefix_cache() is not False:
+                return
+            await asyncio.sleep(0.1)
+        raise RuntimeError("vLLM kept its prefix cache: requests still hold blocks after the weight swap")
 
     def _kv_folder(self, prompt: list[int]) -> Path | None:
         if self.config.kv_storage is None:

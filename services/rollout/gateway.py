@@ -178,6 +178,10 @@ class GatewayCore:
                 raise ApiError("api_error", str(exc)) from exc
             completion = np.asarray(reply.completion, dtype=np.int32)
             text = self.codec.decode(reply.completion)
+            if reply.stop_sequence and reply.stop_sequence in text:
+                # The engine keeps the tokens up to the one holding the stop string (they are trained), but a
+                # reply's text ends before it, as both APIs define.
+                text = text[: text.index(reply.stop_sequence)]
             message = reply_message(text)
             new_chain = plan.reused is None and bool(state.tito.chains) and plan.chain_key not in state.tito.chains
             call = CompletedCall(

@@ -122,6 +122,8 @@ class AdoptRequest(_Frozen):
     method: Literal["kv", "recompute"]
     kv_prompt_len: int = Field(default=0, ge=0)  # the saved prefix's prompt length (see worker.kv_prompt)
     from_worker: str
+    # The policy that computed the saved KV: a target already on another version recomputes instead.
+    policy_version: int = Field(default=0, ge=0)
 
 
 class AdoptReply(_Frozen):

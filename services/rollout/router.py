@@ -132,6 +132,17 @@ class Router:
     def worker_of(self, execution_id: str) -> str | None:
         return self.placement.get(execution_id)
 
+    def holders(self, execution_id: str) -> list[str]:
+        """Every worker that may hold the execution's sessions: where it was placed, then where each drain
+        moved them (`WorkerStatus.moved`), which the router only learns at the execution's next call."""
+        found: list[str] = []
+        worker = self.placement.get(execution_id)
+        while worker is not None and worker not in found:
+            found.append(worker)
+            status = self.directory.get(worker)
+            worker = status.moved.get(execution_id) if status is not None else None
+        return found
+
     def forget(self, execution_id: str) -> None:
         self.placement.pop(execution_id, None)
         self.preferred.pop(execution_id, None)

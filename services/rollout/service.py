@@ -190,13 +190,13 @@ class RolloutGatewayService(Service):
         execution_id = getattr(event.data, "execution_id", None)
         if execution_id is None:
             return
-        worker = self.core.router.worker_of(execution_id)
+        workers = self.core.router.holders(execution_id)  # a drain may have moved its sessions on
         self.registry.revoke(execution_id)
         self.core.end_execution(execution_id)
-        if worker is not None:
-            from services.rollout.transport import NatsWorkerClient
+        from services.rollout.transport import NatsWorkerClient
 
-            assert self.bus is not None
+        assert self.bus is not None
+        for worker in workers:
             try:
                 await NatsWorkerClient(self.bus).end_sessions(worker, execution_id)
             except Exception:  # the worker may be gone; its sessions went with it

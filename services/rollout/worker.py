@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from services.rollout.engine import KV_LOAD_PREFIX, KV_SAVE_PREFIX, Engine
+from services.rollout.engine import KV_LOAD_PREFIX, KV_SAVE_PREFIX, Engine, EngineOutput
 from services.rollout.protocol import (
     AdoptReply,
     AdoptRequest,
@@ -56,6 +56,10 @@ def kv_prompt(history: np.ndarray, block_size: int) -> np.ndarray | None:
     if (n - 1) // block_size < 1:
         return None
     return history[:n]
+
+
+class PolicyChanged(Exception):
+    """The worker serves another policy version than the one a request's KV was computed under."""
 
 
 @dataclass
@@ -151,15 +155,7 @@ class RolloutWorker:
                     f"the context of {self.engine.max_model_len}",
                     **ids,
                 )
-            await self._open.wait()
-            self.in_flight += 1
-            version = self.policy_version
-            try:
-                out = await self.engine.generate([int(t) for t in prompt], request.sampling, request.request_id)
-            finally:
-                self.in_flight -= 1
-                async with self._idle:
-                    self._idle.notify_all()
+            out, version = await self._engine_call(prompt, request.sampling, request.request_id)
             session.history = np.concatenate([prompt, np.asarray(out.token_ids, dtype=np.int32)]).astype(np.int32)
         return GenerateReply(
             status="ok",
@@ -172,6 +168,29 @@ class RolloutWorker:
             policy_version=version,
             **ids,
         )
+
+    async def _engine_call(
+        self, prompt: np.ndarray, sampling: SamplingSpec, request_id: str, *, policy_version: int | None = None
+    ) -> tuple[EngineOutput, int]:
+        """One engine request kept apart from a weight swap (a call, or a migration's prefill): it waits while
+        weights are swapped and a swap waits for it. Returns the output and the policy version that made it;
+        with `policy_version`, raises PolicyChanged rather than run under another one."""
+        await self._open.wait()
+        if policy_version is not None and policy_version != self.policy_version:
+            raise PolicyChanged(f"expected policy {policy_version}, this worker serves {self.policy_version}")
+        self.in_flight += 1
+        version = self.policy_version
+        try:
+            return await self.engine.generate([int(t) for t in prompt], sampling, request_id), version
+        finally:
+            self.in_flight -= 1
+            async with self._idle:
+                self._idle.notify_all()
+
+    def _prefill_limit(self, history: np.ndarray) -> np.ndarray:
+        """The longest prefix of a history an engine prefills: one token short of the context, which a session
+        that generated up to its length limit fills entirely (the engine refuses a prompt that long)."""
+        return history[: self.engine.max_model_len - 1]
 
     def end_sessions(self, execution_id: str) -> int:
         keys = [k for k in self.sessions if k[0] == execution_id]
@@ -215,17 +234,21 @@ class RolloutWorker:
             self.sessions[key] = session
             self.moved.pop(request.execution_id, None)
             cached = 0
-            if request.method == "kv" and request.kv_prompt_len > 0:
+            kv = request.method == "kv" and request.kv_prompt_len > 0
+            if kv:
                 prompt = session.history[: request.kv_prompt_len]
                 request_id = f"{KV_LOAD_PREFIX}{uuid.uuid4().hex}"
             else:
-                prompt = session.history
+                prompt = self._prefill_limit(session.history)
                 request_id = f"adopt-{uuid.uuid4().hex}"
             if len(prompt) > 1:
                 # One greedy token: the point is the prefill, which leaves the history in the prefix cache.
-                out = await self.engine.generate(
-                    [int(t) for t in prompt], SamplingSpec(max_tokens=1, temperature=0.0), request_id
-                )
+                try:
+                    out, _ = await self._engine_call(prompt, SamplingSpec(max_tokens=1, temperature=0.0), request_id,
+                                                     policy_version=request.policy_version if kv else None)
+                except PolicyChanged as exc:  # KV of another policy must not enter this engine's cache
+                    self.sessions.pop(key, None)  # the source recomputes it here or elsewhere
+                    return AdoptReply(ok=False, detail=f"saved KV is stale: {exc}")
                 cached = out.cached_tokens
         self._on_change()
         return AdoptReply(ok=True, cached_tokens=cached, seconds=time.perf_counter() - started)
@@ -276,14 +299,12 @@ class RolloutWorker:
             target = self._pick_target(session.execution_id, request.targets)
             history = session.history
             method = request.force_method or ("kv" if self.engine.kv_transfer else "recompute")
-            prompt = kv_prompt(history, self.engine.block_size) if method == "kv" else None
+            prompt = kv_prompt(self._prefill_limit(history), self.engine.block_size) if method == "kv" else None
             moved_bytes = 0
             reply: AdoptReply | None = None
             if prompt is not None:
-                await self.engine.generate(
-                    [int(t) for t in prompt],
-                    SamplingSpec(max_tokens=1, temperature=0.0),
-                    f"{KV_SAVE_PREFIX}{uuid.uuid4().hex}",
+                _, saved_by = await self._engine_call(
+                    prompt, SamplingSpec(max_tokens=1, temperature=0.0), f"{KV_SAVE_PREFIX}{uuid.uuid4().hex}"
                 )
                 moved_bytes = self.engine.kv_bytes([int(t) for t in prompt])
                 adopt = AdoptRequest(
@@ -293,6 +314,7 @@ class RolloutWorker:
                     method="kv",
                     kv_prompt_len=len(prompt),
                     from_worker=self.worker_id,
+                    policy_version=saved_by,
                 )
                 try:
                     reply = await self.peers.adopt(target.worker_id, adopt, history)

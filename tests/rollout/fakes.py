@@ -91,6 +91,8 @@ class ScriptedEngine:
         if self.fail_next is not None:
             exc, self.fail_next = self.fail_next, None
             raise exc
+        if len(prompt) >= self.max_model_len:  # vLLM's rule: room for at least one generated token
+            raise ValueError(f"the prompt (length {len(prompt)}) fills the maximum model length {self.max_model_len}")
         cached = 0
         for earlier in self.prompts:
             n = 0
@@ -102,14 +104,21 @@ class ScriptedEngine:
         text = self.script(prompt)
         if self.weights_version:
             text = f"[v{self.weights_version}] {text}"
+        # Like vLLM: at the first stop string, generation ends with the tokens that spell it kept (one
+        # character a token here) and the string reported.
+        hits = [(text.index(stop), stop) for stop in sampling.stop if stop in text]
+        stop_sequence = None
+        if hits:
+            at, stop_sequence = min(hits)
+            text = text[: at + len(stop_sequence)]
         ids = self.codec.encode(text)
         finish = "stop"
         if len(ids) >= sampling.max_tokens:
-            ids, finish = ids[: sampling.max_tokens], "length"
-        else:
+            ids, finish, stop_sequence = ids[: sampling.max_tokens], "length", None
+        elif stop_sequence is None:
             ids = ids + [self.codec.end_of_turn_id]
         logprobs = [-((sum(prompt) + 7 * k) % 97) / 10.0 for k in range(len(ids))]
-        return EngineOutput(ids, logprobs, finish, None, len(prompt), min(cached, max(0, len(prompt) - 1)))
+        return EngineOutput(ids, logprobs, finish, stop_sequence, len(prompt), min(cached, max(0, len(prompt) - 1)))
 
     async def load_weights(self, state_dict: Mapping[str, Any]) -> None:
         self.weights_version = int(state_dict["version"])

@@ -317,6 +317,22 @@ async def test_registration_hands_the_gateway_the_executions_seed_and_call_budge
     assert len(stack.engines[0].samplings) == 2 and len(stack.recorder.calls("exec-s")) == 2
 
 
+async def test_a_stop_sequence_ends_the_reply_text_but_its_tokens_are_recorded() -> None:
+    """The engine keeps the tokens that spell the stop string (they were generated and are trained); the reply's
+    text ends before it, as both APIs define, and says which one matched."""
+    stack = build_stack([ScriptedEngine(CODEC, lambda prompt: "helloEND world")], CODEC)
+    token = stack.registry.register("exec-stop")
+    reply = await stack.anthropic(token).messages.create(model="tiny", max_tokens=50, stop_sequences=["END"],
+                                                         messages=[{"role": "user", "content": "hi"}])
+    assert [b.text for b in reply.content] == ["hello"]
+    assert (reply.stop_reason, reply.stop_sequence) == ("stop_sequence", "END")
+    oa = await stack.openai(token).chat.completions.create(model="tiny", stop=["END"],
+                                                           messages=[{"role": "user", "content": "hi"}])
+    assert oa.choices[0].message.content == "hello" and oa.choices[0].finish_reason == "stop"
+    (first, _) = stack.recorder.calls("exec-stop")
+    assert first.completion_tokens == len("helloEND")
+
+
 async def test_a_failed_record_fails_the_request() -> None:
     stack = build_stack([ScriptedEngine(CODEC)], CODEC)
     token = stack.registry.register("exec-f")

@@ -87,6 +87,81 @@ async def test_drain_moves_sessions_and_the_next_call_continues_on_the_target() 
     assert stack.core.router.worker_of("exec-n") == "w1"
 
 
+async def test_an_execution_that_ends_after_its_session_moved_is_ended_where_the_session_is() -> None:
+    """It finished before its next call, so the router never learned of the move; the holders follow the
+    drained worker's `moved` and the session does not stay on the target for good."""
+    stack = build_stack([ScriptedEngine(CODEC), ScriptedEngine(CODEC)], CODEC)
+    stack.local.workers["w1"].state = "draining"
+    stack.refresh()
+    await stack.anthropic(stack.registry.register("exec-z")).messages.create(model="tiny", max_tokens=50,
+                                                                           messages=USER)
+    stack.local.workers["w1"].state = "active"
+    stack.refresh()
+    assert (await stack.local.workers["w0"].drain(DrainRequest())).ok
+    stack.refresh()
+    holders = stack.core.router.holders("exec-z")
+    assert holders == ["w0", "w1"]
+    for worker in holders:  # what the rollout service does on execution.finished / timed_out
+        stack.local.workers[worker].end_sessions("exec-z")
+    assert stack.local.workers["w1"].executions() == set() and stack.local.workers["w0"].moved == {}
+
+
+async def test_a_session_that_filled_the_context_can_still_be_drained() -> None:
+    """A reply cut at the length limit leaves a history as long as the context, which no engine prefills."""
+    stack = build_stack([ScriptedEngine(CODEC, lambda p: "x" * 500, max_model_len=64),
+                         ScriptedEngine(CODEC, max_model_len=64)], CODEC)
+    w0, w1 = stack.local.workers["w0"], stack.local.workers["w1"]
+    w1.state = "draining"
+    stack.refresh()
+    prompt = np.arange(100, 120, dtype=np.int32)
+    reply = await w0.generate(request("e", prompt[:0], prompt).model_copy(
+        update={"sampling": SamplingSpec(max_tokens=44)}), prompt)
+    assert reply.finish_reason == "length" and len(w0.sessions[("e", "main")].history) == 64
+    w1.state = "active"
+    stack.refresh()
+    drained = await w0.drain(DrainRequest())
+    assert drained.ok, drained.detail
+    assert len(w1.sessions[("e", "main")].history) == 64 and max(map(len, stack.engines[1].prompts)) == 63
+
+
+async def test_a_weight_swap_waits_for_a_migration_prefill_and_stale_kv_is_refused() -> None:
+    gate = asyncio.Event()
+    order: list[str] = []
+
+    class GatedEngine(ScriptedEngine):
+        async def generate(self, prompt, sampling, request_id):  # noqa: ANN001, ANN201
+            if request_id.startswith("adopt-"):
+                order.append("prefill started")
+                await gate.wait()
+                order.append("prefill done")
+            return await super().generate(prompt, sampling, request_id)
+
+        async def load_weights(self, state_dict):  # noqa: ANN001, ANN201
+            order.append("weights loaded")
+            await super().load_weights(state_dict)
+
+    from services.rollout.protocol import AdoptRequest
+
+    worker = RolloutWorker(GatedEngine(CODEC), worker_id="w", cell_id="c")
+    history = np.arange(100, 140, dtype=np.int32)
+    adopt = asyncio.create_task(worker.adopt(AdoptRequest(
+        execution_id="e", chain_id="main", history=TokenPayload(count=len(history)), method="recompute",
+        from_worker="v"), history))
+    await asyncio.sleep(0.05)
+    swap = asyncio.create_task(worker.apply_weights(5, {"version": 5}))
+    await asyncio.sleep(0.05)
+    assert order == ["prefill started"]  # the swap waits: the prefill's KV is the old policy's
+    gate.set()
+    assert (await adopt).ok
+    await swap
+    assert order == ["prefill started", "prefill done", "weights loaded"]
+    # KV saved by a worker still on version 4 is not loaded into this one, now on 5.
+    stale = await worker.adopt(AdoptRequest(
+        execution_id="f", chain_id="main", history=TokenPayload(count=len(history)), method="kv",
+        kv_prompt_len=33, from_worker="v", policy_version=4), history)
+    assert not stale.ok and "stale" in stale.detail and ("f", "main") not in worker.sessions
+
+
 async def test_request_in_flight_during_drain_completes_then_migrates() -> None:
     gate = asyncio.Event()
 
