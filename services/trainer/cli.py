@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from services.trainer.distributed import GroupSpec
-from services.trainer.engine import TrainerConfig
+from services.trainer.engine import StepAlreadyTrained, TrainerConfig
 from services.trainer.loss import GspoConfig
 from services.trainer.runner import SftOptions, run_sft, run_step
 
@@ -60,6 +60,10 @@ def run_step_cmd(
         recompute_old_logprobs=recompute_old_logprobs,
     )
     spec = GroupSpec.from_env()
-    result = run_step(model, batch, checkpoints, spec, config, weights_out)
+    try:
+        result = run_step(model, batch, checkpoints, spec, config, weights_out)
+    except StepAlreadyTrained as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
     if spec.rank == 0:
         typer.echo(json.dumps(result, sort_keys=True))

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -232,11 +233,17 @@ def save_checkpoint(
     if dist.get_rank() == 0 and path.exists():
         shutil.rmtree(path)  # an incomplete save of this step from before a crash
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+    # An optimiser that has not stepped has no state, and get_state_dict would create it by running a
+    # zero-lr step (Adam's step count then starts at 1): save the model alone and say so.
+    with_optimizer = bool(optimizer.state)
+    if with_optimizer:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+    else:
+        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(path))
     dist.barrier()
     if dist.get_rank() == 0:
-        state = {**trainer_state, "step": step, "world_size": dist.get_world_size()}
+        state = {**trainer_state, "step": step, "world_size": dist.get_world_size(), "optimizer": with_optimizer}
         tmp = path / (STATE_FILE + ".tmp")
         tmp.write_text(json.dumps(state, sort_keys=True))
         os.replace(tmp, path / STATE_FILE)
@@ -254,6 +261,12 @@ def _prune(root: Path, keep: int) -> None:
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Load a DCP checkpoint into an already sharded model and its optimizer (any world size)."""
     state = read_trainer_state(path)
+    if not state.get("optimizer", True):  # saved before the first step: a fresh optimiser, as then
+        model_sd = get_model_state_dict(model)
+        dcp.load({"model": model_sd}, checkpoint_id=str(path))
+        set_model_state_dict(model, model_sd)
+        optimizer.state.clear()
+        return state
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)

@@ -42,6 +42,10 @@ class TrainerError(Exception):
     pass
 
 
+class StepAlreadyTrained(TrainerError):
+    """A batch for a step the checkpoint already holds: training it again would apply it twice."""
+
+
 class BatchMismatch(TrainerError):
     pass
 
@@ -358,6 +362,11 @@ class Trainer:
         state = load_checkpoint(path, self.model, self.optimizer)
         self.step_count = int(state["step_count"])
         self.policy_version = int(state["policy_version"])
+        # The checkpoint brings the optimiser's moments and step counts, and also the hyperparameters it was
+        # saved with; the ones configured now are the ones to train with.
+        for group in self.optimizer.param_groups:
+            group.update(lr=self.config.lr, betas=self.config.betas, eps=self.config.adam_eps,
+                         weight_decay=self.config.weight_decay)
         return state
 
     # ------------------------------------------------------------------------------------- publication

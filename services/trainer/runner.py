@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.trainer.distributed import GroupSpec
-from services.trainer.engine import Trainer, TrainerConfig
+from services.trainer.distributed import GroupSpec, latest_checkpoint, read_trainer_state
+from services.trainer.engine import StepAlreadyTrained, Trainer, TrainerConfig
 from services.trainer.sft import load_conversations, pack_sequences, render_conversation
 from services.trainer.weights import write_model_dir
 from shared.batch import TrainingBatch
@@ -65,10 +65,15 @@ def run_step(
 ) -> dict[str, Any]:
     """Resume from the latest checkpoint, train one GSPO step on an encoded TrainingBatch, checkpoint again."""
     batch = TrainingBatch.decode(Path(batch_file).read_bytes())
+    latest = latest_checkpoint(checkpoint_root)
+    done = read_trainer_state(latest).get("last_step") if latest is not None else None
+    if done is not None and batch.step <= int(done):
+        raise StepAlreadyTrained(f"{batch_file} is the batch of step {batch.step}; the checkpoint {latest} "
+                                 f"already holds steps up to {done}")
     trainer, timing = Trainer.start(model_dir, spec, config, checkpoint_root=checkpoint_root)
     try:
         metrics = trainer.step(batch)
-        trainer.save(checkpoint_root)
+        trainer.save(checkpoint_root, extra={"last_step": batch.step})
         weights = trainer.weights_bytes()
         if weights is not None and weights_out is not None:
             Path(weights_out).write_bytes(weights)

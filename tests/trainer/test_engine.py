@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from services.trainer.distributed import GroupSpec, free_port
+from services.trainer.distributed import GroupSpec, free_port, latest_checkpoint
 from services.trainer.engine import BatchMismatch, Trainer, TrainerConfig, flat_token_count
 from tests.trainer.trainer_trees import make_batch, pack, random_trajectories, tiny_model
 
@@ -74,3 +74,49 @@ def test_a_step_that_failed_part_way_leaves_no_gradient_behind(tmp_path, monkeyp
     finally:
         retried.close()
     assert worst == 0.0
+
+
+def test_a_checkpoint_before_the_first_step_changes_nothing_and_resume_keeps_the_configured_lr(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Saving an optimiser that has not stepped must not start its state (Adam would count a step too many);
+    a resumed trainer trains with the hyperparameters it is configured with, not the checkpoint's."""
+    tiny_model("qwen3", seed=1).save_pretrained(tmp_path / "model")
+    batch = make_batch(seed=0, step=0)
+
+    def trained(save_first: bool) -> dict:
+        root = tmp_path / f"ckpt-{save_first}"
+        trainer, _ = Trainer.start(tmp_path / "model", GroupSpec(rank=0, world_size=1, master_port=free_port()),
+                                   TrainerConfig(lr=1e-3), checkpoint_root=root)
+        try:
+            if save_first:
+                trainer.save(root)
+                trainer.resume(latest_checkpoint(root))  # what a roll-back to it does
+            trainer.step(batch)
+            return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+        finally:
+            trainer.close()
+
+    plain, saved = trained(False), trained(True)
+    assert max(float((plain[k] - saved[k]).abs().max()) for k in plain) == 0.0
+    resumed, _ = Trainer.start(tmp_path / "model", GroupSpec(rank=0, world_size=1, master_port=free_port()),
+                               TrainerConfig(lr=5e-2), checkpoint_root=tmp_path / "ckpt-True")
+    try:
+        assert [g["lr"] for g in resumed.optimizer.param_groups] == [5e-2] * len(resumed.optimizer.param_groups)
+    finally:
+        resumed.close()
+
+
+def test_run_step_refuses_a_batch_its_checkpoint_already_holds(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from services.trainer.engine import StepAlreadyTrained
+    from services.trainer.runner import run_step
+
+    tiny_model("qwen3", seed=1).save_pretrained(tmp_path / "model")
+    batch_file = tmp_path / "step0.batch"
+    batch_file.write_bytes(make_batch(seed=0, step=0).encode())
+
+    def once() -> dict:
+        spec = GroupSpec(rank=0, world_size=1, master_port=free_port())
+        return run_step(tmp_path / "model", batch_file, tmp_path / "ckpt", spec, TrainerConfig())
+
+    assert once()["policy_version"] == 1
+    with pytest.raises(StepAlreadyTrained, match="step 0"):
+        once()
