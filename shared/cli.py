@@ -58,7 +58,7 @@ def up(state_dir: StateDir = None) -> None:
     """Start NATS (JetStream) and PostgreSQL unless given by URL, run migrations, print the URLs."""
     settings = load_settings()
     state = state_dir or settings.state_dir
-    found = local.up(state, nats_url=settings.nats_url, database_url=settings.database_url)
+    found = local.up(state, nats_url=settings.nats_url, database_url=settings.database_url, schema=settings.db_schema)
     console.print(f"[green]NATS[/]      {found.nats_url} ({'embedded' if found.embedded_nats else 'given by URL'})")
     console.print(
         f"[green]Postgres[/]  {found.database_url} ({'embedded' if found.embedded_postgres else 'given by URL'})"
@@ -218,6 +218,16 @@ def _mount(name: str) -> bool:
     return True
 
 
+# Errors that mean the user's input or setup is wrong, not that Gyre is: a message and exit 2, no traceback.
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from pydantic import ValidationError
+
+    from shared.settings import SettingsError
+    from shared.tinymodel import TinyModelError
+
+    return (SettingsError, ValidationError, local.LocalInfraError, TinyModelError, FileNotFoundError)
+
+
 def main() -> None:
     args = sys.argv[1:]
     if args and args[0] in LAZY_GROUPS:
@@ -228,7 +238,14 @@ def main() -> None:
                 _mount(name)
             except Exception:  # a service that cannot load must not hide the rest of the help
                 pass
-    app()
+    try:
+        app()  # click handles usage errors itself (message, exit 2)
+    except _user_errors() as exc:
+        first = str(exc).strip().splitlines()
+        console.print(f"[red]error:[/] {type(exc).__name__}: {first[0] if first else ''}", highlight=False)
+        if len(first) > 1:
+            console.print("\n".join(first[1:12]), highlight=False, markup=False)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

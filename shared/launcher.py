@@ -179,11 +179,15 @@ def reap_strays(run_id: str) -> list[int]:
 MAX_RESTARTS = 3
 
 
+class ServiceKeptDying(RuntimeError):
+    """A service exited more often than the launcher restarts one."""
+
+
 def _restart(proc: Proc, env: dict[str, str], log_dir: Path) -> None:
     """A service that died is started again, as compose's restart policy would: each resumes from the log."""
     code = proc.popen.returncode if proc.popen is not None else None
     if proc.restarts >= MAX_RESTARTS:
-        raise RuntimeError(f"{proc.name} exited ({code}) {proc.restarts + 1} times; see {log_dir / proc.name}.log")
+        raise ServiceKeptDying(f"{proc.name} exited ({code}) {proc.restarts + 1} times; see {log_dir / proc.name}.log")
     proc.restarts += 1
     console.print(f"[yellow]{proc.name} exited ({code}); starting it again ({proc.restarts}/{MAX_RESTARTS})[/]")
     proc.start(env, log_dir)
@@ -191,11 +195,11 @@ def _restart(proc: Proc, env: dict[str, str], log_dir: Path) -> None:
 
 async def _watch(
     database_url: str, run_id: str, steps: int, procs: list[Proc], timeout_s: float, env: dict[str, str],
-    log_dir: Path,
+    log_dir: Path, schema: str | None = None,
 ) -> list:
     from shared.store import EventStore
 
-    store = await EventStore.connect(database_url)
+    store = await EventStore.connect(database_url, schema=schema)
     events: list = []
     position = 0
     started = time.monotonic()
@@ -319,6 +323,10 @@ def warm_start(python: str, base: Path, run_dir: Path, options: WarmStart, seed:
     return out
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def run(
     mode: Annotated[str, typer.Option(help="elastic, async or colocate.")] = "async",
     steps: Annotated[int, typer.Option(help="RL steps to train.")] = 30,
@@ -339,10 +347,21 @@ def run(
         raise typer.BadParameter(f"--mode must be elastic, async or colocate, got {mode!r}")
     if not 0.0 <= slip_rate <= 1.0:
         raise typer.BadParameter(f"--slip-rate must be a fraction in [0, 1], got {slip_rate}")
+    for name, value, least in (("--steps", steps, 1), ("--group-size", group_size, 1),
+                               ("--queries-per-step", queries_per_step, 1), ("--max-staleness", max_staleness, 0),
+                               ("--sft-steps", sft_steps, 0)):
+        if value < least:
+            raise typer.BadParameter(f"{name} must be at least {least}, got {value}")
+    if lr <= 0 or timeout_s <= 0:
+        raise typer.BadParameter(f"--lr and --timeout-s must be positive, got {lr} and {timeout_s}")
     if warm_start_dir is not None and not (warm_start_dir / "config.json").is_file():
         raise typer.BadParameter(f"--warm-start {warm_start_dir}: not a model directory (no config.json)")
+    tasks_dir = Path("tasks").resolve()
+    if not tasks_dir.is_dir():
+        raise typer.BadParameter(f"no tasks/ folder in {Path.cwd()}: run `gyre run` from the repository root")
     settings = load_settings()
-    endpoints = local.up(settings.state_dir, nats_url=settings.nats_url, database_url=settings.database_url)
+    endpoints = local.up(settings.state_dir, nats_url=settings.nats_url, database_url=settings.database_url,
+                         schema=settings.db_schema)
     run_id = new_run_id()
     run_dir = Path("runs") / run_id
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -353,10 +372,14 @@ def run(
     env = loop_environment(
         run_id=run_id, nats_url=endpoints.nats_url, database_url=endpoints.database_url, model_dir=model_dir,
         run_dir=run_dir, mode=mode, steps=steps, group_size=group_size, max_staleness=max_staleness, seed=seed,
-        task_ids=learnable_tasks(), gateway_port=local.free_port(),
-        extra={"GYRE_SCHEDULER_QUERIES_PER_STEP": str(queries_per_step), "GYRE_TRAINER_LR": str(lr)},
+        task_ids=learnable_tasks(tasks_dir=tasks_dir), gateway_port=local.free_port(),
+        extra={"GYRE_SCHEDULER_QUERIES_PER_STEP": str(queries_per_step), "GYRE_TRAINER_LR": str(lr),
+               "GYRE_HARNESS_TASKS_DIR": str(tasks_dir)},
     )
     procs = service_processes(sys.executable)
+    # The services run in their own sessions (a Ctrl-C in the terminal reaches only this process), so a
+    # SIGTERM or SIGHUP to `gyre run` must stop them as Ctrl-C does.
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         if warm_start_dir is not None:
             env["GYRE_MODEL_DIR"] = str(warm_start_dir)
@@ -365,13 +388,19 @@ def run(
             env["GYRE_MODEL_DIR"] = str(warm_start(sys.executable, model_dir, run_dir, options, seed, env))
         start_all(procs, env, run_dir / "logs")
         events = asyncio.run(
-            _watch(endpoints.database_url, run_id, steps, procs, timeout_s, env, run_dir / "logs")
+            _watch(endpoints.database_url, run_id, steps, procs, timeout_s, env, run_dir / "logs",
+                   schema=settings.db_schema)
         )
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: stopping every process[/]")
         raise typer.Exit(130)
+    except (TimeoutError, ServiceKeptDying) as exc:
+        console.print(f"[red]{exc}[/] — logs in {run_dir / 'logs'}")
+        raise typer.Exit(1)
     finally:
         stop_all(procs, run_id)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     report = build_report(run_id, events)
     written = write_report(report, run_dir)
     for line in summary_lines(report):

@@ -203,28 +203,54 @@ def _state_file(state_dir: Path) -> Path:
     return state_dir / "endpoints.json"
 
 
-def up(state_dir: Path, *, nats_url: str = "", database_url: str = "") -> Endpoints:
-    """Start whatever is not configured by URL, run migrations, and record the endpoints."""
+def up(state_dir: Path, *, nats_url: str = "", database_url: str = "", schema: str | None = None) -> Endpoints:
+    """Start whatever is not configured by URL (or reuse what this state folder already runs), run the
+    migrations (into `schema`, as the services read it), and record the endpoints.
+
+    A configured URL always wins over a server this folder runs. The endpoints are recorded as soon as the
+    servers are up, before the migrations, so that `gyre down` stops them even if the migrations fail.
+    """
     from shared.store import run_migrations
 
     state_dir.mkdir(parents=True, exist_ok=True)
-    current = read_endpoints(state_dir)
-    if current and is_running(state_dir):
-        return current
+    running = read_endpoints(state_dir) if is_running(state_dir) else None
     embedded_nats = not nats_url
     embedded_pg = not database_url
     if embedded_nats:
-        nats = EmbeddedNats(state_dir)
-        nats.start(detach=True)
-        nats_url = nats.url
+        if running is not None and running.embedded_nats:
+            nats_url = running.nats_url
+        else:
+            nats = EmbeddedNats(state_dir)
+            nats.start(detach=True)
+            nats_url = nats.url
     if embedded_pg:
-        pg = EmbeddedPostgres(state_dir)
-        pg.start()
-        database_url = pg.url
-    run_migrations(database_url)
+        if running is not None and running.embedded_postgres:
+            database_url = running.database_url
+        else:
+            pg = EmbeddedPostgres(state_dir)
+            pg.start()
+            database_url = pg.url
     endpoints = Endpoints(nats_url, database_url, embedded_nats, embedded_pg)
-    _state_file(state_dir).write_text(json.dumps(asdict(endpoints), indent=2))
+    # The record is of the servers this folder runs (what `gyre down` stops), kept even while a configured
+    # URL is used instead of one of them; `env` holds the URLs in use.
+    keep_nats = not embedded_nats and running is not None and running.embedded_nats
+    keep_pg = not embedded_pg and running is not None and running.embedded_postgres
+    record = Endpoints(
+        running.nats_url if keep_nats and running else nats_url,
+        running.database_url if keep_pg and running else database_url,
+        embedded_nats or keep_nats,
+        embedded_pg or keep_pg,
+    )
+    if record.embedded_nats or record.embedded_postgres:
+        _state_file(state_dir).write_text(json.dumps(asdict(record), indent=2))
     (state_dir / "env").write_text(f"GYRE_NATS_URL={nats_url}\nGYRE_DATABASE_URL={database_url}\n")
+    try:
+        run_migrations(database_url, schema)
+    except Exception as exc:
+        raise LocalInfraError(
+            f"could not migrate the event store at {database_url} (schema {schema or 'public'}): "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        ) from exc
     return endpoints
 
 

@@ -19,7 +19,16 @@ from services.harness.tasks import TaskFormatError, discover_tasks, load_task
 
 harness_app = typer.Typer(help="Tasks, sandboxes and executions of the harness service.", no_args_is_help=True)
 
-Backend = Annotated[str, typer.Option(help="Sandbox backend: auto, bwrap, unshare or docker.")]
+BACKENDS = ("auto", "bwrap", "unshare", "docker")
+
+
+def _backend(value: str) -> str:
+    if value not in BACKENDS:
+        raise typer.BadParameter(f"expected one of {', '.join(BACKENDS)}, got {value!r}")
+    return value
+
+
+Backend = Annotated[str, typer.Option(help="Sandbox backend: auto, bwrap, unshare or docker.", callback=_backend)]
 
 
 def _load(task_dir: Path):  # type: ignore[no-untyped-def]

@@ -60,6 +60,44 @@ async def test_events_export_and_tail_read_the_log(store, infra: Infra, tmp_path
     assert [json.loads(line)["stream_id"] for line in tail.stdout.splitlines()] == ["cell-other"]
 
 
+def test_configured_urls_win_over_running_embedded_servers_and_get_the_schema(infra: Infra):
+    """`gyre up` with URLs uses them (and migrates GYRE_DB_SCHEMA there, as the services read it) even while
+    this folder runs embedded servers, which `gyre down` still stops."""
+    import psycopg
+
+    state = Path(tempfile.mkdtemp(prefix="gyre-cli-"))
+    embedded = clean_env(GYRE_STATE_DIR=str(state))
+    schema = unique("up_")
+    configured = clean_env(GYRE_STATE_DIR=str(state), GYRE_NATS_URL=infra.nats_url,
+                           GYRE_DATABASE_URL=infra.database_url, GYRE_DB_SCHEMA=schema)
+    try:
+        assert gyre("up", env=embedded).returncode == 0
+        up = gyre("up", env=configured)
+        assert up.returncode == 0, up.stderr
+        assert f"GYRE_NATS_URL={infra.nats_url}" in up.stdout and f"GYRE_DATABASE_URL={infra.database_url}" in up.stdout
+        with psycopg.connect(infra.database_url) as conn:
+            tables = conn.execute("SELECT count(*) FROM information_schema.tables WHERE table_schema = %s",
+                                  (schema,)).fetchone()
+        assert tables is not None and tables[0] > 0
+    finally:
+        down = gyre("down", env=embedded)
+        with psycopg.connect(infra.database_url, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+    assert "nats" in down.stderr and "postgres" in down.stderr
+
+
+def test_a_failed_up_leaves_nothing_that_down_cannot_stop():
+    state = Path(tempfile.mkdtemp(prefix="gyre-cli-"))
+    env = clean_env(GYRE_STATE_DIR=str(state), GYRE_DATABASE_URL="postgresql://postgres@127.0.0.1:1/none")
+    try:
+        up = gyre("up", env=env)
+        assert up.returncode == 2 and "could not migrate" in up.stdout + up.stderr
+        assert "Traceback" not in up.stdout + up.stderr
+    finally:
+        down = gyre("down", env=env)
+    assert "nats" in down.stderr  # the embedded NATS it had started
+
+
 def test_commands_without_servers_say_what_to_do():
     env = clean_env(GYRE_STATE_DIR=tempfile.mkdtemp(prefix="gyre-none-"))
     result = gyre("events", "tail", "--no-follow", env=env)

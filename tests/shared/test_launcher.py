@@ -19,6 +19,9 @@ from shared.cli import _mount, app
         (["--mode", "fixed"], "--mode must be elastic, async or colocate"),
         (["--slip-rate", "1.5"], "--slip-rate must be a fraction"),
         (["--warm-start", "/nonexistent/model"], "not a model directory"),
+        (["--group-size", "0"], "--group-size must be at least 1"),
+        (["--steps", "0"], "--steps must be at least 1"),
+        (["--timeout-s", "0"], "must be positive"),
     ],
 )
 def test_bad_options_are_refused_before_anything_starts(args: list[str], message: str) -> None:
@@ -84,3 +87,36 @@ def test_each_run_gets_its_own_block_of_cell_ports(tmp_path: Path) -> None:
         mode="async", steps=1, group_size=2, max_staleness=1, seed=0, task_ids=["t"], gateway_port=1, cells=2,
     )
     assert int(env["GYRE_CELL_HEALTH_PORT_BASE"]) >= 20000 and env["GYRE_CELL_COUNT"] == "2"
+
+
+def test_sigterm_stops_every_service_as_ctrl_c_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The services run in their own sessions; a SIGTERM to `gyre run` (a closed terminal, `timeout`, `kill`)
+    must still stop them."""
+    import os
+    import signal
+
+    from shared import local
+
+    repo_tasks = Path("tasks").resolve()
+    (tmp_path / "tasks").symlink_to(repo_tasks)
+    monkeypatch.chdir(tmp_path)
+    stopped: list[str] = []
+    monkeypatch.setattr(local, "up", lambda *a, **k: local.Endpoints("nats://x:1", "postgresql://x@y:2/z", True, True))
+    monkeypatch.setattr("shared.tinymodel.create_tiny_model", lambda path, **k: path)
+    monkeypatch.setattr(launcher, "start_all", lambda procs, env, log_dir: None)
+    monkeypatch.setattr(launcher, "stop_all", lambda procs, run_id=None: stopped.append(run_id or ""))
+
+    async def terminated(*args: object, **kwargs: object) -> list:
+        os.kill(os.getpid(), signal.SIGTERM)
+        import asyncio
+
+        await asyncio.sleep(30)
+        return []
+
+    monkeypatch.setattr(launcher, "_watch", terminated)
+    _mount("run")
+    before = signal.getsignal(signal.SIGTERM)
+    result = CliRunner().invoke(app, ["run", "--sft-steps", "0"], env={"COLUMNS": "200"})
+    assert result.exit_code == 130, result.output
+    assert len(stopped) == 1 and "interrupted" in result.output
+    assert signal.getsignal(signal.SIGTERM) == before  # the handler is gone with the run
