@@ -175,6 +175,10 @@ class VllmEngine:
         def reload(worker: Any, items: list[tuple[str, Any]] = items) -> None:
             worker.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)
 
+        # First make sure nothing holds cache blocks (this raises before the weights change, leaving the
+        # worker consistent on the old policy); then, with the worker's gate closed, nothing can start
+        # between the reload and the reset that drops the old policy's KV.
+        await self.reset_prefix_cache()
         await self._llm.collective_rpc(reload)
         await self.reset_prefix_cache()
 

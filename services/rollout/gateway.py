@@ -113,8 +113,8 @@ class GatewayCore:
             self.router.prefer(execution_id, cell_id)
 
     def call_status(self, execution_id: str) -> dict[str, Any]:
-        """What the gateway saw of an execution's calls, from its first call until its end (`known` is False
-        before the first call, after the end and across a gateway restart)."""
+        """What the gateway saw of an execution's calls, from its registration or first call until its end
+        (`known` is False before either, after the end and across a gateway restart)."""
         state = self.executions.get(execution_id)
         return {
             "execution_id": execution_id,
@@ -377,8 +377,9 @@ def create_app(
             if token is not None and (not isinstance(token, str) or len(token) < 16):
                 raise invalid("token: expected a string of at least 16 characters")
             seed, max_calls, cell_id = body.get("seed"), body.get("max_calls"), body.get("cell_id")
-            if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-                raise invalid(f"seed: expected an integer, got {seed!r}")
+            if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**46):
+                raise invalid(f"seed: expected an integer in [0, 2^46) (a call seed is seed × 100003 + "
+                              f"the call index, below 2^63), got {seed!r}")
             if max_calls is not None and (isinstance(max_calls, bool) or not isinstance(max_calls, int) or max_calls < 1):
                 raise invalid(f"max_calls: expected an integer ≥ 1, got {max_calls!r}")
             if cell_id is not None and not isinstance(cell_id, str):

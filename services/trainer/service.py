@@ -211,10 +211,11 @@ class TrainerService(Service):
                 self.options.keep_checkpoints,
                 {"last_step": data.step, "metrics": metrics, "seconds": seconds},
             )
-        except BaseException:
+        except Exception:
             # The weights moved in memory but the step is not saved: go back to the last checkpoint, so the
             # batch's redelivery trains it once from the same weights (or, if the save did complete, finds it
-            # trained and only re-emits).
+            # trained and only re-emits). Not on cancellation (the service stopping): the save's thread runs
+            # on to completion, and rolling back under it would mix two states in the checkpoint.
             await asyncio.to_thread(self._roll_back)
             raise
         self.last_step, self.last_metrics, self.last_seconds = data.step, metrics, seconds

@@ -296,7 +296,8 @@ async def test_registration_hands_the_gateway_the_executions_seed_and_call_budge
 
     stack = build_stack([ScriptedEngine(CODEC)], CODEC)
     async with stack.http() as http:
-        for bad in ({"execution_id": "e", "seed": "7"}, {"execution_id": "e", "max_calls": 0},
+        for bad in ({"execution_id": "e", "seed": "7"}, {"execution_id": "e", "seed": -1},
+                    {"execution_id": "e", "seed": 2**46}, {"execution_id": "e", "max_calls": 0},
                     {"execution_id": "e", "cell_id": 5}):
             r = await http.post("/internal/executions", json=bad)
             assert r.status_code == 400, bad

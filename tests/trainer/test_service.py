@@ -236,3 +236,51 @@ async def test_trainer_process_killed_mid_run_resumes_without_repeating_or_skipp
     assert sorted(e.data.policy_version for e in completed) == [1, 2, 3, 4]
     state = read_trainer_state(latest_checkpoint(state_dir / "trainer" / run_id / "checkpoints"))
     assert state["step_count"] == 4 and state["last_step"] == 3
+
+
+async def test_a_service_stopping_during_a_checkpoint_write_does_not_roll_back_under_it(tmp_path: Path) -> None:
+    """Cancellation (the service stopping) cannot stop the save's thread; rolling the weights back while it
+    writes would mix two states in one checkpoint. Only a failure rolls back."""
+    import hashlib
+    import threading
+    from datetime import UTC, datetime
+
+    from shared.events import BlobRef
+
+    blob = make_batch(seed=0, step=0).encode()
+    saving, release = threading.Event(), threading.Event()
+    log: list[str] = []
+
+    class Trainer:
+        policy_version, world_size = 0, 1
+
+        def step(self, batch):  # noqa: ANN001, ANN202
+            return {"staleness_max": 0.0}
+
+        def save(self, root, keep, extra):  # noqa: ANN001, ANN202
+            saving.set()
+            release.wait(10)
+            log.append(f"saved step {extra['last_step']}")
+
+        def resume(self, path):  # noqa: ANN001, ANN202
+            log.append("rolled back")
+            return {}
+
+    class Store:
+        async def get_blob(self, ref):  # noqa: ANN001, ANN202
+            return blob
+
+    service = TrainerService(Settings(run_id="r", max_staleness=1, state_dir=tmp_path), TrainerOptions())
+    service.trainer, service.store = Trainer(), Store()  # type: ignore[assignment]
+    ref = BlobRef(digest="sha256:" + hashlib.sha256(blob).hexdigest(), size=len(blob), store="pg")
+    data = BatchReady(step=0, batch=ref, query_ids=[], executions=0, trees=0, micro_batches=0, unique_tokens=0,
+                      flat_tokens=0, target_tokens=0, min_policy_version=0, max_policy_version=0)
+    event = new_event(data, run_id="r", stream_id="s", version=1, occurred_at=datetime.now(UTC))
+    task = asyncio.create_task(service.handle(event, None))  # type: ignore[arg-type]
+    await asyncio.to_thread(saving.wait, 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    release.set()
+    await asyncio.sleep(0.2)
+    assert log == ["saved step 0"]
