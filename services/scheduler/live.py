@@ -255,8 +255,8 @@ class RunView:
             case CallCompleted():
                 # Recorded by the gateway, while a drain's kv.migrated comes from the worker: the last call a
                 # cell served can land after its sessions moved off it. A cell that left rollout holds none.
-                cell = self.cells.get(data.cell_id)
-                if cell is not None and cell.role is Role.ROLLOUT:
+                served_by = self.cells.get(data.cell_id)
+                if served_by is not None and served_by.role is Role.ROLLOUT:
                     self._seen_on(data.execution_id, data.cell_id)
             case QueryDispatched():
                 self._dispatched(data)
