@@ -41,7 +41,8 @@ class RewardFileError(ValueError):
 
 
 _SUMMARY_HEADER = re.compile(r"^=+ short test summary info =+\s*$")
-_SUMMARY_LINE = re.compile(r"^(PASSED|FAILED|ERROR|XPASS|XFAIL|SKIPPED)\s+(\S+)")
+# A test id runs to its parametrize brackets' end (ids may hold spaces there), then " - reason" may follow.
+_SUMMARY_LINE = re.compile(r"^(PASSED|FAILED|ERROR|XPASS|XFAIL|SKIPPED)\s+([^\s\[]+(?:\[.*?\](?=\s+-\s|\s*$))?)")
 _OUTCOME = {
     "PASSED": TestOutcome.PASSED,
     "XPASS": TestOutcome.PASSED,
@@ -102,8 +103,12 @@ def parse_reward(text: str) -> float:
     return value
 
 
-def grade(test_output: str, reward_text: str | None) -> GradeResult:
-    """A reward file, when the tests wrote one, wins over parsing the pytest summary."""
+def grade(test_output: str, reward_text: str | None, parser: str = "pytest") -> GradeResult:
+    """A reward file, when the tests wrote one, wins over parsing the pytest summary. With the task's
+    `parser_name: reward` only the reward file counts: a task that says its checker writes one is not
+    scored from whatever pytest summary its output happens to hold."""
+    if reward_text is None and parser == "reward":
+        return GradeResult(score=0.0, source="none", detail="parser_name is reward and no reward file was written")
     if reward_text is not None:
         try:
             score = parse_reward(reward_text)

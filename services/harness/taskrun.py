@@ -86,7 +86,7 @@ def run_tests(task: Task, sandbox: ProcessSandbox) -> tuple[GradeResult, ExecRes
         ],
     )
     reward_text = read_inside_file(logs_host, logs_host / "verifier" / "reward.txt")
-    graded = grade(result.stdout + "\n" + result.stderr, reward_text)
+    graded = grade(result.stdout + "\n" + result.stderr, reward_text, parser=task.config.parser_name)
     if result.timed_out:
         graded = graded.model_copy(update={"detail": (graded.detail + "; tests timed out").lstrip("; ")})
     return graded, result

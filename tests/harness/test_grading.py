@@ -37,6 +37,23 @@ def test_teardown_error_after_pass_counts_as_error() -> None:
     assert grade_pytest_output(text).score == 0.5
 
 
+def test_parametrized_ids_with_spaces_are_separate_tests() -> None:
+    """pytest keeps spaces inside parametrize ids; reading the id to the first space merged three tests into one
+    failure (0.0 where one of three passed)."""
+    text = ("=== short test summary info ===\nPASSED t.py::test_x[a b]\n"
+            "FAILED t.py::test_x[a c] - assert 'a c' == 'a b'\nFAILED t.py::test_x[a d] - AssertionError: x - y\n")
+    result = grade_pytest_output(text)
+    assert [t for t, _ in result.tests] == ["t.py::test_x[a b]", "t.py::test_x[a c]", "t.py::test_x[a d]"]
+    assert result.score == 1 / 3
+
+
+def test_a_reward_parser_task_without_a_reward_file_scores_zero() -> None:
+    """`parser_name: reward` says the checker writes the reward: a pytest summary elsewhere in the output is not it."""
+    result = grade(SAMPLE, None, parser="reward")
+    assert result.score == 0.0 and result.source == "none" and "reward file" in result.detail
+    assert grade(SAMPLE, None).score == 2 / 3
+
+
 def test_collection_error_scores_zero() -> None:
     text = "=== short test summary info ===\nERROR ../tests/test_outputs.py - ModuleNotFoundError\n"
     assert grade_pytest_output(text).score == 0.0
