@@ -28,6 +28,7 @@ from services.harness.agent_core import (
     ToolCall,
     ValidReply,
     context_tokens,
+    cut_middle,
     format_shell_result,
     restart_messages,
     should_compact,
@@ -48,6 +49,7 @@ def _call_index(value: str | None) -> int | None:
 # the agent's own doing, so the execution is a policy outcome. Every other API error (unreachable, 401 for a
 # revoked token, 429 or 5xx after the retries) is the infrastructure's.
 _OWN_REQUEST_STATUSES = frozenset({400, 413, 422})
+MIN_TOOL_OUTPUT_CHARS = 200  # what each tool result of a turn keeps however many calls share the turn
 
 
 def _own_request_refused(exc: anthropic.APIError) -> bool:
@@ -337,10 +339,15 @@ class AgentLoop:
             if not verdict.tool_calls:
                 return "ended", verdict.text
             results: list[dict[str, Any]] = []
+            # One turn's tool results share `tool_output_chars` (each keeps at least MIN_TOOL_OUTPUT_CHARS), so
+            # a turn of many calls cannot push the context, and the summary request that compacts it, past
+            # the model's length: compaction is checked between turns, not inside one.
+            room = self.config.tool_output_chars
             for call in verdict.tool_calls:
                 if call.name == SUBMIT:
                     return "submitted", str(call.input.get("answer", verdict.text))
-                output, is_error = self._run_tool(chain, call, index)
+                output, is_error = self._run_tool(chain, call, index, max(MIN_TOOL_OUTPUT_CHARS, room))
+                room -= len(output)
                 results.append({"type": "tool_result", "tool_use_id": call.id, "content": output, "is_error": is_error})
                 chain.pending_chars += len(output)
             chain.messages.append({"role": "user", "content": results})
@@ -393,7 +400,8 @@ class AgentLoop:
             reason=f"context of {tokens} tokens passed the budget of {self.config.compact_at_tokens}",
         )
 
-    def _run_tool(self, chain: _Chain, call: ToolCall, call_index: int) -> tuple[str, bool]:
+    def _run_tool(self, chain: _Chain, call: ToolCall, call_index: int, limit: int) -> tuple[str, bool]:
+        """Run one tool call; its result is cut to `limit` characters."""
         if call.name == SHELL:
             # The call budget counts model calls; the last call's command still runs.
             self._check_budget(calls=False)
@@ -403,7 +411,7 @@ class AgentLoop:
             if remaining is not None:
                 timeout = max(0.001, min(timeout, remaining))
             result = self.runner.exec(str(call.input["command"]), timeout_s=timeout)
-            text = format_shell_result(result.exit_code, result.stdout, result.stderr, result.timed_out, self.config.tool_output_chars)
+            text = format_shell_result(result.exit_code, result.stdout, result.stderr, result.timed_out, limit)
             return text, not result.ok
         if call.name == DELEGATE:
             if chain.depth >= self.config.max_delegation_depth:
@@ -416,6 +424,6 @@ class AgentLoop:
             self._pending_branch = Branch(kind="delegation", at_call_index=0, from_call_index=call_index, chain=label, reason=f"delegate tool call {call.id}")
             status, answer = self._run_chain(sub)
             if status == "submitted":
-                return answer or "(the helper submitted no answer)", False
-            return f"the helper ended without submitting: {answer or ''}".strip(), False
+                return cut_middle(answer or "(the helper submitted no answer)", limit), False
+            return cut_middle(f"the helper ended without submitting: {answer or ''}".strip(), limit), False
         raise AssertionError(f"validated tool {call.name!r} has no handler")

@@ -162,7 +162,11 @@ def format_shell_result(exit_code: int | None, stdout: str, stderr: str, timed_o
     body = stdout
     if stderr.strip():
         body = f"{stdout}\n[stderr]\n{stderr}" if stdout else f"[stderr]\n{stderr}"
-    text = f"[{status}]\n{body}".rstrip()
+    return cut_middle(f"[{status}]\n{body}".rstrip(), limit)
+
+
+def cut_middle(text: str, limit: int) -> str:
+    """`text` cut to about `limit` characters, keeping both ends (the status line and the last output)."""
     if len(text) <= limit:
         return text
     half = limit // 2

@@ -180,6 +180,19 @@ def test_delegation_runs_a_sub_agent_with_fresh_context_and_returns_its_answer(b
     assert [(b.kind, b.at_call_index, b.from_call_index, b.chain) for b in sink.branches] == [("delegation", 1, 0, "main/delegate-1")]
 
 
+def test_the_tool_results_of_one_turn_share_the_output_limit(box: ProcessSandbox) -> None:
+    """Compaction is checked between turns, so one turn of many calls must not add more than
+    `tool_output_chars` (each result keeps its status line): the summary request has to fit the model."""
+    big = 'python3 -c "print(\'x\' * 10000)"'
+    turn = {"content": [{"type": "tool_use", "id": f"toolu_{i}", "name": "shell", "input": {"command": big}}
+                        for i in range(3)], "stop_reason": "tool_use"}
+    outcome, server, _ = run_loop([turn, submit()], box, tool_output_chars=3000)
+    assert outcome.status == "submitted"
+    results = server.requests[1]["messages"][-1]["content"]
+    assert len(results) == 3 and all(r["content"].startswith("[exit code 0]") for r in results)
+    assert sum(len(r["content"]) for r in results) <= 3000 + 2 * 200 + 3 * 60  # the limit, the floor, the markers
+
+
 def test_call_budget_stops_the_agent(box: ProcessSandbox) -> None:
     outcome, server, _ = run_loop([shell(f"echo {i} >> log.txt") for i in range(10)], box, budget=Budget(max_calls=3))
     assert outcome.status == "calls_exhausted" and outcome.calls == 3
