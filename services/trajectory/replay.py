@@ -6,7 +6,7 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -164,7 +164,16 @@ def _get_checked(get_blob: BlobGetter, ref: BlobRef, what: str) -> bytes:
 
 
 def replay(events: Sequence[Event], get_blob: BlobGetter, selection: Selection = Selection()) -> ReplayReport:
-    """Rebuild the trees of the selected executions, and each selected step's batch when one was emitted."""
+    """Rebuild the trees of the selected executions, and each selected step's batch when one was emitted.
+
+    Steps are numbered per run, so a log of several runs is replayed run by run (its steps and batches would
+    otherwise mix) unless the selection names one.
+    """
+    runs = sorted({e.run_id for e in events})
+    if selection.run is None and len(runs) > 1:
+        parts = [replay(events, get_blob, replace(selection, run=run)) for run in runs]
+        return ReplayReport(selection, tuple(x for p in parts for x in p.executions),
+                            tuple(b for p in parts for b in p.batches))
     chosen = select_events(events, selection)
     log = RunLog()
     try:

@@ -97,3 +97,51 @@ async def test_replay_of_a_corrupted_blob_in_postgres_fails_loudly(store, infra:
     monkeypatch.setenv("GYRE_DB_SCHEMA", store.schema or "")
     result = await asyncio.to_thread(invoke, "--execution", "golden-drift", "--verify")
     assert result.exit_code == EXIT_BAD_LOG and "corrupted log" in result.output
+
+
+def _run_with_a_batch(run_id: str, rewards: list[float]) -> tuple[list, dict[str, bytes]]:
+    """One run's step 0: a query of len(rewards) executions, scored, and its live batch."""
+    from services.trajectory.service import batch_ready_data
+    from services.trajectory.state import BatchParams, RunLog, assemble_step_batch
+    from services.trajectory.synthetic import EPOCH, ExecutionLog, stable_uuid
+    from shared.batch import BATCH_MEDIA_TYPE
+    from shared.events import BlobRef, QueryDispatched, new_event
+    from shared.tokens import digest_of
+
+    query = f"{run_id}-step0-q0"
+    events = [new_event(QueryDispatched(query_id=query, task_id="t", group_size=len(rewards),
+                                        seeds=list(range(len(rewards))), step=0, policy_version=0),
+                        run_id=run_id, stream_id=f"query-{query}", version=1, occurred_at=EPOCH,
+                        event_id=stable_uuid(run_id, query))]
+    blobs: dict[str, bytes] = {}
+    for i, reward in enumerate(rewards):
+        log = ExecutionLog(f"{query}-s{i}", query_id=query, run_id=run_id, group_size=len(rewards), sample_index=i)
+        log.start()
+        log.call([1, 2, 3], [4 + i, 5])
+        log.finish()
+        log.score(reward)
+        events += log.events
+        blobs.update(log.blobs)
+    fold = RunLog()
+    fold.apply_all(events)
+    batch = assemble_step_batch(fold, 0, lambda ref: blobs[ref.digest], BatchParams(256, 4, 1e-6, False, 1))
+    data = batch.encode()
+    ref = BlobRef(digest=digest_of(data), size=len(data), media_type=BATCH_MEDIA_TYPE)
+    blobs[ref.digest] = data
+    events.append(new_event(batch_ready_data(0, batch, ref), run_id=run_id, stream_id=f"batch-{run_id}-0",
+                            version=1, occurred_at=EPOCH, event_id=stable_uuid(run_id, "batch")))
+    return events, blobs
+
+
+def test_a_log_of_several_runs_is_verified_run_by_run() -> None:
+    """Steps are numbered per run: `--step 0` (or the whole log) over two runs checks each run's step 0 against
+    its own live batch, not a mix of both against the first."""
+    from services.trajectory.replay import Selection, verify
+
+    events_a, blobs_a = _run_with_a_batch("run-a", [1.0, 0.0, 0.5])
+    events_b, blobs_b = _run_with_a_batch("run-b", [0.0, 0.0, 1.0, 1.0])
+    blobs = {**blobs_a, **blobs_b}
+    for selection in (Selection(step=0), Selection()):
+        report = verify(events_a + events_b, lambda ref: blobs[ref.digest], selection)
+        assert [(b.step, b.live_digest == b.rebuilt_digest) for b in report.batches] == [(0, True), (0, True)]
+        assert len(report.executions) == 7
