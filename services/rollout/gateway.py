@@ -51,10 +51,20 @@ class ExecutionState:
     # that exits because the model API failed it from one that exits on its own.
     last_infra_refusal: str | None = None
     # From the harness's registration: the execution's seed (a call that brings none samples with
-    # `call_seed(seed, answered)`) and its call budget (calls past it are refused, 400).
+    # `call_seed(seed, answered)`) and its call budget (calls past it are refused, 400). A gateway that did not
+    # see the registration (it restarted since) recalls both, and the calls answered so far, from the log.
     seed: int | None = None
     max_calls: int | None = None
     budget_refusals: int = 0
+    settled: bool = False  # registered here, or recalled from the log
+
+
+def seed_problem(seed: object) -> str | None:
+    """Why `seed` cannot seed an execution's calls (a call seed is seed × 100003 + the call index, below 2^63)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**46:
+        return (f"seed: expected an integer in [0, 2^46) (a call seed is seed × 100003 + the call index, "
+                f"below 2^63), got {seed!r}")
+    return None
 
 
 class GatewayCore:
@@ -108,7 +118,7 @@ class GatewayCore:
         self, execution_id: str, *, seed: int | None = None, max_calls: int | None = None, cell_id: str | None = None
     ) -> None:
         state = self._state(execution_id)
-        state.seed, state.max_calls = seed, max_calls
+        state.seed, state.max_calls, state.settled = seed, max_calls, True
         if cell_id is not None:
             self.router.prefer(execution_id, cell_id)
 
@@ -125,6 +135,34 @@ class GatewayCore:
             "call_budget_spent": bool(state and state.budget_refusals),
         }
 
+    async def _settle(self, execution_id: str, state: ExecutionState) -> None:
+        """Take up an execution whose registration this gateway did not see (a restart since) from its log: its
+        seed, call budget and calls answered so far, and the cell of its latest call (its KV is most likely
+        there). One that has ended is refused: its token, which a restart no longer knows as revoked (derived
+        tokens verify statelessly), must not call the model again."""
+        try:
+            so_far = await self.recorder.recall(execution_id)
+        except Exception as exc:
+            raise ApiError("api_error", f"the execution's log could not be read: {exc}") from exc
+        if so_far.ended:
+            self.end_execution(execution_id)
+            raise ApiError("authentication_error", f"execution {execution_id} has ended; its token is revoked")
+        started = so_far.started
+        if started is not None:
+            if seed_problem(started.seed) is None:
+                state.seed = started.seed
+            else:
+                self.log.warning("seed_not_usable", execution_id=execution_id, seed=started.seed)
+            state.max_calls = started.call_budget
+        state.answered = max(state.answered, so_far.calls)
+        cell_id = so_far.last_cell_id or (started.cell_id if started else None)
+        if cell_id is not None:
+            self.router.prefer(execution_id, cell_id)
+        state.settled = True
+        if so_far.calls or started is not None:
+            self.log.info("execution_recalled", execution_id=execution_id, calls=so_far.calls,
+                          seed=state.seed, max_calls=state.max_calls, cell_id=cell_id)
+
     def end_execution(self, execution_id: str) -> None:
         self.executions.pop(execution_id, None)
         self.router.forget(execution_id)
@@ -136,6 +174,8 @@ class GatewayCore:
         state = self._state(execution_id)
         # One call at a time per execution keeps call order, anchors and worker histories consistent.
         async with state.lock:
+            if not state.settled:
+                await self._settle(execution_id, state)
             if state.max_calls is not None and state.answered >= state.max_calls:
                 state.budget_refusals += 1
                 raise invalid(f"the execution's call budget is spent: {state.answered} of {state.max_calls} calls made")
@@ -377,9 +417,8 @@ def create_app(
             if token is not None and (not isinstance(token, str) or len(token) < 16):
                 raise invalid("token: expected a string of at least 16 characters")
             seed, max_calls, cell_id = body.get("seed"), body.get("max_calls"), body.get("cell_id")
-            if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**46):
-                raise invalid(f"seed: expected an integer in [0, 2^46) (a call seed is seed × 100003 + "
-                              f"the call index, below 2^63), got {seed!r}")
+            if seed is not None and (problem := seed_problem(seed)) is not None:
+                raise invalid(problem)
             if max_calls is not None and (isinstance(max_calls, bool) or not isinstance(max_calls, int) or max_calls < 1):
                 raise invalid(f"max_calls: expected an integer ≥ 1, got {max_calls!r}")
             if cell_id is not None and not isinstance(cell_id, str):

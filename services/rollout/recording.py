@@ -23,6 +23,9 @@ from shared.events import (
     Event,
     EventData,
     ExecutionBranched,
+    ExecutionFinished,
+    ExecutionStarted,
+    ExecutionTimedOut,
     new_event,
     stream_id_for,
 )
@@ -117,6 +120,31 @@ class ExecutionLog:
         return log
 
 
+@dataclass
+class ExecutionSoFar:
+    """What the log holds of an execution: how a gateway that did not see it start (it restarted since) picks
+    up its seed, call budget and placement, and learns whether it has already ended."""
+
+    started: ExecutionStarted | None = None
+    calls: int = 0  # call.completed events: the calls answered so far
+    last_cell_id: str | None = None  # the cell of the latest answered call (where its KV most likely is)
+    ended: bool = False
+
+    @classmethod
+    def of(cls, events: list[Event]) -> ExecutionSoFar:
+        so_far = cls()
+        for event in events:
+            data = event.data
+            if isinstance(data, ExecutionStarted) and so_far.started is None:
+                so_far.started = data
+            elif isinstance(data, CallCompleted):
+                so_far.calls += 1
+                so_far.last_cell_id = data.cell_id or so_far.last_cell_id
+            elif isinstance(data, ExecutionFinished | ExecutionTimedOut):
+                so_far.ended = True
+        return so_far
+
+
 @dataclass(frozen=True)
 class RecordedCall:
     placement: Placement
@@ -186,6 +214,10 @@ class CallRecorder(Protocol):
         """Store the call durably (blob, then events) or raise RecordingFailed; nothing is kept on failure."""
         ...
 
+    async def recall(self, execution_id: str) -> ExecutionSoFar:
+        """What the log holds of the execution (raises when the log cannot be read)."""
+        ...
+
 
 class _LoggedRecorder:
     """Shared logic: one lock and one ExecutionLog per execution; subclasses persist."""
@@ -218,6 +250,12 @@ class _LoggedRecorder:
         self._logs.pop(execution_id, None)
         self._locks.pop(execution_id, None)
 
+    async def recall(self, execution_id: str) -> ExecutionSoFar:
+        return ExecutionSoFar.of(await self._events(execution_id))
+
+    async def _events(self, execution_id: str) -> list[Event]:
+        return []
+
     async def _load(self, execution_id: str) -> ExecutionLog:
         return ExecutionLog()
 
@@ -246,6 +284,10 @@ class InMemoryCallRecorder(_LoggedRecorder):
         self.events.extend(events)
         return RecordedCall(placement=placement, event=events[-1], blob=ref)
 
+    async def _events(self, execution_id: str) -> list[Event]:
+        stream_id = stream_id_for("execution", execution_id)
+        return [e for e in self.events if e.stream_id == stream_id]
+
     def calls(self, execution_id: str | None = None) -> list[CallCompleted]:
         out = [e.data for e in self.events if isinstance(e.data, CallCompleted)]
         return [c for c in out if execution_id is None or c.execution_id == execution_id]
@@ -258,11 +300,14 @@ class StoreCallRecorder(_LoggedRecorder):
         super().__init__(run_id=run_id, clock=clock)
         self.store = store
 
-    async def _load(self, execution_id: str) -> ExecutionLog:
+    async def _events(self, execution_id: str) -> list[Event]:
         stored = await self.store.read_stream(stream_id_for("execution", execution_id))  # type: ignore[attr-defined]
+        return [item.event for item in stored]
+
+    async def _load(self, execution_id: str) -> ExecutionLog:
         records = []
-        for item in stored:
-            data = item.event.data
+        for event in await self._events(execution_id):
+            data = event.data
             if not isinstance(data, CallCompleted):
                 continue
             tokens = CallTokens.decode(await self.store.get_blob(data.record))  # type: ignore[attr-defined]

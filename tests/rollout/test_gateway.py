@@ -318,6 +318,52 @@ async def test_registration_hands_the_gateway_the_executions_seed_and_call_budge
     assert len(stack.engines[0].samplings) == 2 and len(stack.recorder.calls("exec-s")) == 2
 
 
+async def test_a_restarted_gateway_takes_seed_budget_and_end_from_the_log() -> None:
+    """A gateway that restarts loses its registrations. The first call of an execution it did not see start
+    recalls the execution's seed, call budget, calls so far and latest cell from its log, so sampling and the
+    budget go on where they were; and a derived token (which a restart still verifies) of an execution whose
+    log holds its end is refused."""
+    from datetime import UTC, datetime
+
+    from services.rollout.credentials import derive_token
+    from shared.calls import call_seed
+    from shared.events import ExecutionFinished, ExecutionStarted, new_event
+
+    engines = [ScriptedEngine(CODEC), ScriptedEngine(CODEC)]
+    stack = build_stack(engines, CODEC)
+    started = ExecutionStarted(execution_id="exec-r", query_id="q", task_id="t", group_size=1, sample_index=0,
+                               seed=7, call_budget=3, cell_id="cell-1")
+    stack.recorder.events.append(new_event(started, run_id="test", stream_id="execution-exec-r", version=1,
+                                           occurred_at=datetime.now(UTC)))
+    user = [{"role": "user", "content": "hi"}]
+    token = derive_token(b"test-secret", "exec-r")
+    async with stack.http() as http:
+        r = await http.post("/internal/executions", json={"execution_id": "exec-r", "seed": 7, "max_calls": 3,
+                                                          "cell_id": "cell-1", "token": token})
+        assert r.status_code == 200
+        await stack.anthropic(token).messages.create(model="tiny", max_tokens=5, messages=user)
+    assert [sp.seed for sp in engines[1].samplings] == [call_seed(7, 0)] and engines[0].samplings == []
+
+    # The restart: a new gateway over the same log and workers, nothing registered.
+    restarted = build_stack(engines, CODEC, recorder=stack.recorder)
+    client = restarted.anthropic(token)
+    await client.messages.create(model="tiny", max_tokens=5, messages=user)
+    await client.messages.create(model="tiny", max_tokens=5, messages=user)
+    assert [sp.seed for sp in engines[1].samplings] == [call_seed(7, i) for i in range(3)]  # on the same cell
+    assert engines[0].samplings == []
+    with pytest.raises(anthropic.BadRequestError, match="call budget is spent: 3 of 3"):
+        await client.messages.create(model="tiny", max_tokens=5, messages=user)
+    assert [c.call_index for c in stack.recorder.calls("exec-r")] == [0, 1, 2]
+
+    finished = ExecutionFinished(execution_id="exec-r", elapsed_s=1.0, calls=3)
+    stack.recorder.events.append(new_event(finished, run_id="test", stream_id="execution-exec-r", version=9,
+                                           occurred_at=datetime.now(UTC)))
+    again = build_stack(engines, CODEC, recorder=stack.recorder)
+    with pytest.raises(anthropic.AuthenticationError, match="has ended"):
+        await again.anthropic(token).messages.create(model="tiny", max_tokens=5, messages=user)
+    assert "exec-r" not in again.core.executions and len(engines[1].samplings) == 3
+
+
 async def test_a_stop_sequence_ends_the_reply_text_but_its_tokens_are_recorded() -> None:
     """The engine keeps the tokens that spell the stop string (they were generated and are trained); the reply's
     text ends before it, as both APIs define, and says which one matched."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime
 
 import numpy as np
 
@@ -12,7 +13,7 @@ from services.rollout.router import Router, WorkerDirectory
 from services.rollout.transport import NatsPeers, NatsWorkerClient, WorkerServer, watch_statuses
 from services.rollout.worker import RolloutWorker
 from shared.calls import CallRecord, CallTokens, ExecutionSequences
-from shared.events import CallCompleted, ExecutionBranched
+from shared.events import CallCompleted, ExecutionBranched, ExecutionStarted, ExecutionTimedOut, new_event
 from tests.rollout.fakes import CharCodec, ScriptedEngine
 
 CODEC = CharCodec()
@@ -88,13 +89,23 @@ async def test_store_recorder_writes_deltas_that_replay_and_resumes_after_restar
     await recorder.record(_call(0, p0, c0))
     p1 = np.concatenate([p0, c0, np.arange(70, 80, dtype=np.int32)])
     await recorder.record(_call(1, p1, np.arange(600, 605, dtype=np.int32)))
-    # A new recorder (a restarted gateway) continues the execution's indices and parents from the store.
+    # A new recorder (a restarted gateway) continues the execution's indices and parents from the store, and
+    # recalls what the gateway needs to go on: the execution's start, calls so far, latest cell, no end yet.
+    started = ExecutionStarted(execution_id="exec-pg", query_id="q", task_id="t", group_size=1, sample_index=0,
+                               seed=11, call_budget=9, cell_id="cell-a")
+    async with store.transaction() as tx:
+        tx.append([new_event(started, run_id="run-t", stream_id="execution-exec-pg", version=1,
+                             occurred_at=datetime.now(UTC))], expected_version="any")
     restarted = StoreCallRecorder(store, run_id="run-t")
+    so_far = await restarted.recall("exec-pg")
+    assert so_far.started == started and so_far.calls == 2 and so_far.last_cell_id == "cell-x"
+    assert not so_far.ended
     p2 = np.concatenate([p0[:20], np.arange(900, 910, dtype=np.int32)])
     await restarted.record(_call(2, p2, np.arange(700, 703, dtype=np.int32)))
     stored = await store.read_stream("execution-exec-pg")
     kinds = [s.event.type for s in stored]
-    assert kinds == ["call.completed", "call.completed", "execution.branched", "call.completed"]
+    assert kinds == ["call.completed", "call.completed", "execution.started", "execution.branched",
+                     "call.completed"]
     calls = [s.event.data for s in stored if isinstance(s.event.data, CallCompleted)]
     assert [c.call_index for c in calls] == [0, 1, 2]
     assert [c.branch_hint for c in calls] == [None, "continuation", "fork"]
@@ -110,3 +121,9 @@ async def test_store_recorder_writes_deltas_that_replay_and_resumes_after_restar
                                   tokens=tokens, policy_version=c.policy_version))
         assert np.array_equal(seq[: c.prompt_tokens], prompts[c.call_index])
         assert np.allclose(tokens.logprobs, -np.arange(len(tokens.completion)) / 10)
+    timed_out = ExecutionTimedOut(execution_id="exec-pg", budget="wall_clock", elapsed_s=5.0, calls=3)
+    async with store.transaction() as tx:
+        tx.append([new_event(timed_out, run_id="run-t", stream_id="execution-exec-pg", version=1,
+                             occurred_at=datetime.now(UTC))], expected_version="any")
+    so_far = await StoreCallRecorder(store, run_id="run-t").recall("exec-pg")
+    assert so_far.ended and so_far.calls == 3
