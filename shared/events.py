@@ -202,7 +202,10 @@ class QueryDispatched(_Extended):
     # The cell the scheduler placed each sample on (index = sample); the router starts the execution there
     # when that cell's worker takes sessions. Empty: the router chooses.
     placements: list[str] = Field(default_factory=list)
-    WRITTEN_WHEN_SET: ClassVar[tuple[str, ...]] = ("placements",)
+    # How many queries feed `step`: its batch waits for all of them (a query dispatched only when room frees
+    # must not miss the batch its step's first query completed). None in logs written before it existed.
+    step_queries: int | None = Field(default=None, ge=1)
+    WRITTEN_WHEN_SET: ClassVar[tuple[str, ...]] = ("placements", "step_queries")
 
 
 @register

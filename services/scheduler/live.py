@@ -148,6 +148,7 @@ class QueryPlan:
             policy_version=policy_version,
             harness=self.harness,
             placements=list(placements),
+            step_queries=self.queries_per_step,
         )
 
 

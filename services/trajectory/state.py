@@ -115,6 +115,7 @@ class QueryState:
     step: int
     group_size: int
     execution_ids: list[str] = field(default_factory=list)
+    step_queries: int | None = None  # from its dispatch: how many queries feed its step
 
 
 @dataclass
@@ -153,7 +154,7 @@ class RunLog:
         d = event.data
         match d:
             case QueryDispatched():
-                self._query(d.query_id, d.step, d.group_size)
+                self._query(d.query_id, d.step, d.group_size).step_queries = d.step_queries
             case ExecutionStarted():
                 s = self._execution(d.execution_id, event.run_id)
                 s.query_id, s.task_id, s.step = d.query_id, d.task_id, d.step
@@ -205,13 +206,15 @@ class RunLog:
         return len(members) >= query.group_size and all(m.complete for m in members)
 
     def ready_steps(self, queries_per_step: int | None = None) -> list[int]:
-        """Steps without a batch yet whose every known query has a complete, scored group (and, when the
-        number of queries per step is known, all of them are known)."""
+        """Steps without a batch yet whose every known query has a complete, scored group, and all of whose
+        queries are known: as many as their dispatches say feed the step (`QueryDispatched.step_queries`), and
+        at least `queries_per_step` when it is configured."""
         steps = sorted({q.step for q in self.queries.values()} - set(self.batches))
         ready = []
         for step in steps:
             queries = self.step_queries(step)
-            if queries_per_step is not None and len(queries) < queries_per_step:
+            needed = max([queries_per_step or 0, *(q.step_queries or 0 for q in queries)])
+            if len(queries) < needed:
                 continue
             if queries and all(self.query_complete(q) for q in queries):
                 ready.append(step)

@@ -110,3 +110,41 @@ def test_an_execution_infrastructure_ended_is_left_out_of_its_group_and_batch() 
     run, blobs = group_with_an_infra_failure(False)
     batch = assemble_step_batch(run, 0, lambda ref: blobs[ref.digest], params)
     assert len(batch.executions) == 3 and "infra_failures" not in batch.meta
+
+
+def test_a_step_waits_for_every_query_its_dispatches_say_feed_it() -> None:
+    """Two queries feed step 0; the second is dispatched only once room frees, after the first has completed
+    and been scored. The step's batch must wait for it (its first dispatch says two queries feed the step),
+    whatever the trajectory service was configured with."""
+    from datetime import UTC, datetime
+
+    from shared.events import QueryDispatched, new_event
+
+    def dispatched(query_id: str, step_queries: int | None) -> object:
+        data = QueryDispatched(query_id=query_id, task_id="t", group_size=2, seeds=[0, 1], step=0, policy_version=0,
+                               step_queries=step_queries)
+        return new_event(data, run_id="r", stream_id=f"query-{query_id}", version=1, occurred_at=datetime.now(UTC))
+
+    def group(query_id: str) -> list[object]:
+        events = []
+        for i in range(2):
+            log = ExecutionLog(f"{query_id}-e{i}", query_id=query_id, group_size=2, sample_index=i)
+            log.start()
+            log.call([1, 2, 3], [4 + i, 5])
+            log.finish()
+            log.score(float(i))
+            events += log.events
+        return events
+
+    run = RunLog()
+    run.apply_all([dispatched("qa", 2), *group("qa")])
+    assert run.ready_steps() == [] and run.ready_steps(1) == []
+    run.apply_all([dispatched("qb", 2)])
+    assert run.ready_steps() == []  # qb's group has not run yet
+    run.apply_all(group("qb"))
+    assert run.ready_steps() == [0] and run.ready_steps(1) == [0]
+    assert run.step_execution_ids(0) == ["qa-e0", "qa-e1", "qb-e0", "qb-e1"]
+    # A log written before dispatches said so: the configured number decides, as before.
+    old = RunLog()
+    old.apply_all([dispatched("qa", None), *group("qa")])
+    assert old.ready_steps() == [0] and old.ready_steps(2) == []
