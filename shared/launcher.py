@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -101,6 +102,7 @@ def loop_environment(
     # vLLM binds IPC sockets under TMPDIR and a socket path may not exceed 107 bytes: keep it short.
     ipc = Path(tempfile.gettempdir()) / f"gyre-{hashlib.sha1(run_id.encode()).hexdigest()[:10]}"
     ipc.mkdir(parents=True, exist_ok=True)
+    admin_token = os.environ.get("GYRE_ROLLOUT_ADMIN_TOKEN") or secrets.token_urlsafe(32)
     env = {
         **os.environ,
         "GYRE_RUN_ID": run_id,
@@ -124,6 +126,10 @@ def loop_environment(
         "GYRE_ROLLOUT_PORT": str(gateway_port),
         "GYRE_ROLLOUT_MODEL_NAME": "gyre-tiny",
         "GYRE_HARNESS_GATEWAY_URL": f"http://127.0.0.1:{gateway_port}",
+        # The gateway's internal API (register, end executions) answers only the harness: the sandboxes' route
+        # to the gateway carries any path, and an agent must not lift its own call budget.
+        "GYRE_ROLLOUT_ADMIN_TOKEN": admin_token,
+        "GYRE_HARNESS_GATEWAY_ADMIN_TOKEN": admin_token,
         "GYRE_HARNESS_MODEL_NAME": "gyre-tiny",
         "GYRE_HARNESS_WORK_DIR": str(run_dir / "executions"),
         # The tiny model's tasks need one or two calls; bound each execution so a step stays short.

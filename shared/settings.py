@@ -38,7 +38,6 @@ class Settings(BaseSettings):
     max_deliver: int = 5
     backoff_s: list[float] = Field(default_factory=lambda: [0.5, 2.0, 5.0])
     duplicate_window_s: float = 120.0
-    max_payload_bytes: int = 8 * 1024 * 1024
 
     # RL shape (SPEC §5–§7).
     group_size: int = 16

@@ -104,15 +104,15 @@ def parse_reward(text: str) -> float:
 
 
 def grade(test_output: str, reward_text: str | None, parser: str = "pytest") -> GradeResult:
-    """A reward file, when the tests wrote one, wins over parsing the pytest summary. With the task's
-    `parser_name: reward` only the reward file counts: a task that says its checker writes one is not
-    scored from whatever pytest summary its output happens to hold."""
-    if reward_text is None and parser == "reward":
+    """The task's `parser_name` says what scores it, and only that counts. `pytest`: the pytest summary; a
+    reward file is ignored (the agent's own code runs during the tests, e.g. a script the tests call, and can
+    write one). `reward`: the reward file the checker writes; a pytest summary in its output is not it."""
+    if parser != "reward":
+        return grade_pytest_output(test_output)
+    if reward_text is None:
         return GradeResult(score=0.0, source="none", detail="parser_name is reward and no reward file was written")
-    if reward_text is not None:
-        try:
-            score = parse_reward(reward_text)
-        except RewardFileError as exc:
-            return GradeResult(score=0.0, source="none", detail=f"reward file: {exc}")
-        return GradeResult(score=score, tests=parse_pytest_summary(test_output), source="reward-file")
-    return grade_pytest_output(test_output)
+    try:
+        score = parse_reward(reward_text)
+    except RewardFileError as exc:
+        return GradeResult(score=0.0, source="none", detail=f"reward file: {exc}")
+    return GradeResult(score=score, tests=parse_pytest_summary(test_output), source="reward-file")

@@ -47,6 +47,8 @@ class SandboxLimits(BaseModel):
 
     cpu_seconds: int | None = Field(default=3600, gt=0)
     memory_bytes: int | None = Field(default=4 * 1024**3, gt=0)
+    # /dev/shm is a tmpfs in host memory that RLIMIT_DATA does not count: its own size caps it.
+    shm_bytes: int = Field(default=64 * 1024**2, gt=0)
     max_processes: int | None = Field(default=256, gt=0)
     file_size_bytes: int | None = Field(default=1024**3, gt=0)
     open_files: int | None = Field(default=1024, gt=0)
@@ -144,6 +146,38 @@ class _UidPool:
         if fd is not None:
             os.close(fd)
 
+    def sweep_orphans(self) -> list[int]:
+        """Kill the processes of pool uids that no live holder has: left running by a harness that died (under
+        the unshare backend the uid change clears the parent-death signal, so they outlive it and would keep
+        changing the preserved work while it is graded). Returns the uids swept."""
+        in_range = set()
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    uid = os.stat(f"/proc/{entry}").st_uid
+                except OSError:
+                    continue
+                if self._base <= uid < self._base + self._size:
+                    in_range.add(uid)
+        self._lock_dir.mkdir(parents=True, exist_ok=True)
+        swept = []
+        for uid in sorted(in_range):
+            with self._lock:
+                if uid in self._held:
+                    continue
+                fd = os.open(self._lock_dir / f"{uid}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:  # a live sandbox of another harness process
+                    os.close(fd)
+                    continue
+                try:
+                    _kill_uid(uid)
+                finally:
+                    os.close(fd)
+            swept.append(uid)
+        return swept
+
 
 UID_POOL = _UidPool(
     base=int(os.environ.get("GYRE_SANDBOX_UID_BASE", "61000")),
@@ -221,7 +255,9 @@ def _rlimit_args(limits: SandboxLimits) -> list[str]:
 
 
 def _drop_privileges_args(uid: int) -> list[str]:
-    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all", "--"]
+    # no_new_privs: a setuid program (su, mount) cannot gain euid 0 inside (bwrap sets it itself; unshare does not).
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all",
+            "--no-new-privs", "--"]
 
 
 def _read_capped(path: Path, cap: int) -> tuple[str, bool]:
@@ -454,7 +490,8 @@ class ProcessSandbox:
             parents(path)
             args.extend(["--ro-bind", path, path])
             made.add(path)
-        args.extend(["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/dev/shm"])
+        args.extend(["--proc", "/proc", "--dev", "/dev", "--perms", "1777",
+                     "--size", str(self.spec.limits.shm_bytes), "--tmpfs", "/dev/shm"])
         for bind in binds:
             parents(bind.inside)
             args.extend(["--ro-bind" if bind.read_only else "--bind", str(bind.host), bind.inside])
@@ -504,7 +541,8 @@ class ProcessSandbox:
         lines.append('mount -t tmpfs -o mode=0755 gyre-dev "$R"/dev')
         for node in ("null", "zero", "full", "random", "urandom", "tty"):
             lines.append(f'touch "$R"/dev/{node} && mount --bind /dev/{node} "$R"/dev/{node}')
-        lines.append('mkdir -p "$R"/dev/shm && mount -t tmpfs -o mode=1777 gyre-shm "$R"/dev/shm')
+        lines.append(f'mkdir -p "$R"/dev/shm && mount -t tmpfs -o mode=1777,nosuid,nodev,size={self.spec.limits.shm_bytes} '
+                     'gyre-shm "$R"/dev/shm')
         lines.append('ln -s /proc/self/fd "$R"/dev/fd')
         lines.append("ip link set lo up 2>/dev/null || true")
         env_args = " ".join(q(f"{k}={v}") for k, v in env.items())

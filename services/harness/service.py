@@ -9,11 +9,13 @@ never ended, marks them timed out (`budget="crash"`) and grades the work preserv
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from pathlib import Path
 from typing import Any, Literal
 
 import httpx
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.harness.agent import AgentConfig, Budget
@@ -29,6 +31,7 @@ from services.harness.execution import (
 )
 from services.harness.external import GatewayAccess
 from services.harness.planning import plan_query, recovery_actions
+from services.harness.sandbox import UID_POOL
 from services.harness.tasks import Task, TaskFormatError, load_task
 from shared.events import (
     CallCompleted,
@@ -54,8 +57,9 @@ class HarnessSettings(BaseSettings):
 
     tasks_dir: Path = Path("tasks")
     work_dir: Path = Path(".gyre/executions")
-    gateway_url: str = "http://127.0.0.1:8080"
-    gateway_admin_token: str = ""
+    gateway_url: str = "http://127.0.0.1:8400"  # the gateway's default GYRE_ROLLOUT_PORT
+    # The gateway's GYRE_ROLLOUT_ADMIN_TOKEN, which it is read from when this is not set.
+    gateway_admin_token: str = Field(default_factory=lambda: os.environ.get("GYRE_ROLLOUT_ADMIN_TOKEN", ""))
     model_name: str = "gyre"
     concurrency: int = 2
     harness: Literal["builtin", "claude-code"] = "builtin"
@@ -80,6 +84,10 @@ class HarnessService(Service):
 
     async def setup(self) -> None:
         self._http = httpx.AsyncClient(timeout=30)
+        if os.geteuid() == 0:  # process sandboxes run as pool uids only under root
+            swept = await asyncio.to_thread(UID_POOL.sweep_orphans)
+            if swept:
+                self.log.warning("orphaned_sandboxes_killed", uids=swept)
         await self.recover()
         self.on(["query.dispatched"], self.dispatch)
 
@@ -102,8 +110,12 @@ class HarnessService(Service):
             self._task_cache[task_id] = load_task(path)
         return self._task_cache[task_id]
 
-    def harness_config(self) -> Harness:
-        if self.h.harness == "claude-code":
+    def harness_config(self, name: str | None = None) -> Harness:
+        """The harness `name` (an execution's `execution.started.harness`), this service's own by default."""
+        name = name or self.h.harness
+        if name not in ("builtin", "claude-code"):
+            raise ValueError(f"unknown harness {name!r}: expected builtin or claude-code")
+        if name == "claude-code":
             from services.harness.external import claude_code
 
             return claude_code(self.h.claude_code_dir, self.h.model_name)
@@ -211,7 +223,7 @@ class HarnessService(Service):
                 result = await run_execution_async(
                     execution_id=execution_id,
                     task=self.task(started.task_id),
-                    harness=self.harness_config(),
+                    harness=self.harness_config(started.harness),
                     gateway=GatewayAccess(base_url=self.h.gateway_url, token=token, model=self.h.model_name),
                     state_dir=self.h.work_dir / execution_id,
                     budget=budget,

@@ -15,7 +15,7 @@ from pathlib import Path
 RUN_TESTS = """#!/bin/bash
 # Runs the task's tests against the working directory; pytest's -rA summary is what gets scored.
 cd "${WORKDIR:-/app}"
-python -m pytest -rA -p no:cacheprovider "$TEST_DIR/test_outputs.py"
+python -P -m pytest -rA -p no:cacheprovider "$TEST_DIR/test_outputs.py"
 """
 
 TEST_HEADER = '''"""Tests for the generated task {task_id}; run by run-tests.sh after the agent stops."""

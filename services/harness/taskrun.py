@@ -17,7 +17,8 @@ from services.harness.tasks import TEST_DIR, Task
 LOGS_DIR = "/logs"
 REWARD_FILE = f"{LOGS_DIR}/verifier/reward.txt"
 _TASK_FILES = "/gyre-task"
-DEFAULT_TEST_COMMAND = f"python -m pytest -rA -p no:cacheprovider {TEST_DIR}/test_outputs.py"
+# -P: the working directory is not put on sys.path, so a `pytest.py` the agent left there cannot stand in for pytest.
+DEFAULT_TEST_COMMAND = f"python -P -m pytest -rA -p no:cacheprovider {TEST_DIR}/test_outputs.py"
 
 
 class TaskSetupError(RuntimeError):

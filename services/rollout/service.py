@@ -164,6 +164,11 @@ class RolloutGatewayService(Service):
         if self.settings.model_dir is None:
             raise RuntimeError("GYRE_MODEL_DIR must name the served model (its tokenizer and chat template)")
         r = self.rollout
+        if not r.admin_token:
+            self.log.warning("gateway_internal_api_open",
+                             detail="no GYRE_ROLLOUT_ADMIN_TOKEN: anything that reaches the gateway, an agent in a "
+                                    "sandbox included, can register, re-register (lifting a call budget) and end "
+                                    "executions")
         directory = WorkerDirectory()
         self._watch = await watch_statuses(self.bus, directory)
         self.registry = ExecutionRegistry(secret=r.token_secret.encode() or None)

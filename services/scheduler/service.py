@@ -53,7 +53,8 @@ class SchedulerSettings(BaseSettings):
     total_steps: int = Field(default=1, ge=0)
     tick_s: float = Field(default=1.0, gt=0)
     seed: int = 0
-    harness: str = "builtin"
+    # Which agent runs each query's executions; `builtin` leaves it to the harness service's GYRE_HARNESS_HARNESS.
+    harness: Literal["builtin", "claude-code"] = "builtin"
     budget_cells: int = Field(default=0, ge=0)  # 0: every registered cell
     rollout_cells: int = Field(default=0, ge=0)  # async's rollout pool; 0: half the budget
     min_cells: int = Field(default=1, ge=1)  # decide nothing before this many cells registered

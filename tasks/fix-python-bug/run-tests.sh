@@ -1,3 +1,3 @@
 #!/bin/bash
 cd "${WORKDIR:-/app}"
-python -m pytest -rA -p no:cacheprovider "$TEST_DIR/test_outputs.py"
+python -P -m pytest -rA -p no:cacheprovider "$TEST_DIR/test_outputs.py"

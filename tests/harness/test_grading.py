@@ -64,14 +64,18 @@ def test_no_results_scores_zero_with_reason() -> None:
     assert result.score == 0.0 and result.source == "none" and "no pytest results" in result.detail
 
 
-def test_reward_file_wins_over_summary() -> None:
-    result = grade(SAMPLE, "0.25\n")
+def test_only_the_tasks_parser_scores_it() -> None:
+    """A reward file scores a `parser_name: reward` task; a pytest task ignores one (code the agent wrote runs
+    during its tests and could write it)."""
+    result = grade(SAMPLE, "0.25\n", parser="reward")
     assert result.score == 0.25 and result.source == "reward-file"
+    result = grade(SAMPLE, "1.0\n", parser="pytest")
+    assert result.score == 2 / 3 and result.source == "pytest"
 
 
 def test_bad_reward_file_scores_zero_with_reason() -> None:
     for text in ("lots", "1.5", "nan", "-0.1"):
-        result = grade("", text)
+        result = grade("", text, parser="reward")
         assert result.score == 0.0 and "reward file" in result.detail
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import socket
@@ -245,3 +246,47 @@ def test_concurrent_sandboxes_do_not_kill_each_others_processes(tmp_path: Path, 
     finally:
         for box in [long_box, *short_boxes]:
             box.close(remove=True)
+
+
+def test_dev_shm_is_capped_and_setuid_programs_gain_nothing(tmp_path: Path, backend: str) -> None:
+    """/dev/shm lives in host memory outside RLIMIT_DATA, so its own size caps it; no_new_privs keeps a setuid
+    program (su, mount) from running with euid 0 inside."""
+    spec = SandboxSpec(workdir="/app", limits=SandboxLimits(shm_bytes=8 * 1024**2), kill_grace_s=0.5)
+    box = ProcessSandbox(tmp_path / "shm", spec, backend=backend)  # type: ignore[arg-type]
+    try:
+        assert box.exec("head -c 4M /dev/zero > /dev/shm/small", timeout_s=60).ok
+        full = box.exec("head -c 32M /dev/zero > /dev/shm/big", timeout_s=60)
+        assert full.exit_code != 0 and "No space left" in full.stderr
+        status = box.exec("grep NoNewPrivs /proc/self/status", timeout_s=60)
+        assert status.stdout.split() == ["NoNewPrivs:", "1"], status
+    finally:
+        box.close(remove=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="running and killing processes as other uids needs root")
+def test_orphans_of_a_dead_harness_are_swept_and_live_sandboxes_are_not(tmp_path: Path) -> None:
+    """A harness that died can leave sandbox processes running (under unshare a uid change clears the
+    parent-death signal). A restarted harness kills those of uids nobody holds, and only those."""
+    from services.harness.sandbox import _UidPool
+
+    restarted = _UidPool(base=72000, size=4, lock_dir=tmp_path / "locks")
+    neighbour = _UidPool(base=72000, size=4, lock_dir=tmp_path / "locks")  # another live harness process
+    held = neighbour.acquire()
+    orphan_uid = held + 1
+
+    def run_as(uid: int) -> int:
+        """A `sleep` running as `uid` that is not our child (its parent exits), as an orphan would be."""
+        out = subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "sh", "-c",
+                              "sleep 300 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True, check=True)
+        return int(out.stdout)
+
+    orphan, live = run_as(orphan_uid), run_as(held)
+    try:
+        assert restarted.sweep_orphans() == [orphan_uid]
+        assert processes_of_uid(orphan_uid) == []
+        assert processes_of_uid(held) == [live]
+    finally:
+        for pid in (orphan, live):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+        neighbour.release(held)

@@ -217,7 +217,7 @@ async def test_an_external_harness_exiting_after_a_refused_call_is_flagged_when_
         return JSONResponse({"execution_id": execution_id, "last_infra_refusal": "500 api_error: scripted"})
 
     class ExternalHarnessService(HarnessService):
-        def harness_config(self):  # type: ignore[override]
+        def harness_config(self, name=None):  # type: ignore[override]  # noqa: ANN001
             return sdk_harness()
 
     query = QueryDispatched(query_id="qx", task_id="create-file-1", group_size=1, seeds=[5], step=0, policy_version=0)
@@ -232,3 +232,17 @@ async def test_an_external_harness_exiting_after_a_refused_call_is_flagged_when_
     else:  # no answer: the exit stays the agent's own outcome
         assert finished.stop_reason == "exit 1" and scored.infra_failure is None
     assert scored.reward == 0.0
+
+
+def test_the_harness_a_dispatch_names_is_the_one_that_runs(tmp_path: Path) -> None:
+    """`execution.started.harness` says which agent ran; the service runs that one, not its own default."""
+    from services.harness.execution import BuiltinHarness
+    from services.harness.external import ExternalHarness
+    from services.harness.service import HarnessSettings
+    from shared.settings import Settings
+
+    service = HarnessService(Settings(run_id="r"), HarnessSettings(harness="builtin", claude_code_dir=tmp_path))
+    assert isinstance(service.harness_config(), BuiltinHarness)
+    assert isinstance(service.harness_config("claude-code"), ExternalHarness)
+    with pytest.raises(ValueError, match="unknown harness 'codex'"):
+        service.harness_config("codex")

@@ -30,3 +30,21 @@ def test_reference_solution_resolves_and_no_work_does_not(task, tmp_path: Path, 
         assert graded.resolved
     finally:
         sandbox.close(remove=True)
+
+
+def test_a_pytest_module_left_in_the_workdir_does_not_grade_the_task(tmp_path: Path, best_backend: str) -> None:
+    """Tests run from the working directory, where the agent writes: a `pytest.py` there that prints a passing
+    summary and writes a reward file must not stand in for pytest."""
+    task = next(t for t in SHIPPED if t.task_id == "create-file-1")
+    sandbox = make_sandbox(tmp_path / "sb", sandbox_spec_for(task), backend=best_backend)
+    try:
+        prepare(task, sandbox)
+        fake = ("import os\nprint('=== short test summary info ===')\nprint('PASSED ../tests/test_outputs.py::t')\n"
+                "open(os.environ['REWARD_FILE'], 'w').write('1.0')\n")
+        (sandbox.work_host / "pytest.py").write_text(fake)
+        sandbox.give_to_sandbox()
+        graded, output = run_tests(task, sandbox)
+        assert graded.score < 1.0 and graded.source == "pytest", (graded, output.stdout[-2000:])
+        assert "::t" not in [test for test, _ in graded.tests]
+    finally:
+        sandbox.close(remove=True)

@@ -86,7 +86,35 @@ def test_each_run_gets_its_own_block_of_cell_ports(tmp_path: Path) -> None:
         run_id="r", nats_url="nats://x", database_url="postgresql://x", model_dir=tmp_path, run_dir=tmp_path,
         mode="async", steps=1, group_size=2, max_staleness=1, seed=0, task_ids=["t"], gateway_port=1, cells=2,
     )
-    assert int(env["GYRE_CELL_HEALTH_PORT_BASE"]) >= 20000 and env["GYRE_CELL_COUNT"] == "2"
+    assert env["GYRE_CELL_COUNT"] == "2"
+    block = int(env["GYRE_CELL_HEALTH_PORT_BASE"])
+    for port in range(block, block + 2):  # the block the cells will serve on is free
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
+def test_the_gateway_and_harness_share_a_fresh_admin_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sandboxed agents reach the gateway through a route that carries any path: its internal API (register,
+    end executions) must answer only the harness, so every run gets an admin token both share."""
+    from services.harness.service import HarnessSettings
+
+    monkeypatch.delenv("GYRE_ROLLOUT_ADMIN_TOKEN", raising=False)
+
+    def env() -> dict[str, str]:
+        return launcher.loop_environment(
+            run_id="r", nats_url="nats://x", database_url="postgresql://x", model_dir=tmp_path, run_dir=tmp_path,
+            mode="async", steps=1, group_size=2, max_staleness=1, seed=0, task_ids=["t"], gateway_port=1, cells=2,
+        )
+
+    first, second = env(), env()
+    assert len(first["GYRE_ROLLOUT_ADMIN_TOKEN"]) >= 32
+    assert first["GYRE_HARNESS_GATEWAY_ADMIN_TOKEN"] == first["GYRE_ROLLOUT_ADMIN_TOKEN"]
+    assert second["GYRE_ROLLOUT_ADMIN_TOKEN"] != first["GYRE_ROLLOUT_ADMIN_TOKEN"]
+    # A harness started by hand next to a gateway takes the gateway's token when it is not given its own.
+    monkeypatch.delenv("GYRE_HARNESS_GATEWAY_ADMIN_TOKEN", raising=False)
+    monkeypatch.setenv("GYRE_ROLLOUT_ADMIN_TOKEN", "t" * 32)
+    assert HarnessSettings().gateway_admin_token == "t" * 32
+    assert HarnessSettings().gateway_url == "http://127.0.0.1:8400"
 
 
 def test_sigterm_stops_every_service_as_ctrl_c_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
