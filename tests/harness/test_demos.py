@@ -69,7 +69,7 @@ def test_unknown_family_is_refused_with_the_known_ones() -> None:
 
 
 @given(seed=st.integers(min_value=0, max_value=2**31), count=st.integers(min_value=0, max_value=30))
-@settings(max_examples=30, deadline=None)
+@settings(deadline=None)
 def test_records_are_well_formed_sft_conversations(seed: int, count: int) -> None:
     records = demos.demo_records(demos.sample_instances(seed=seed, count=count), "SYSTEM")
     assert len(records) == count

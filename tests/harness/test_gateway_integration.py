@@ -21,10 +21,9 @@ from services.harness.execution import BuiltinHarness, GatewayStatus, run_execut
 from services.harness.external import GatewayAccess
 from services.harness.sandbox import ProcessSandbox, SandboxSpec
 from services.harness.tasks import load_task
+from tests.rollout import fakes
 
 from .conftest import TASKS
-
-fakes = pytest.importorskip("tests.rollout.fakes", reason="the rollout service's test doubles are not available")
 
 
 class Served:

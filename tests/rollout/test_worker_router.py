@@ -241,7 +241,7 @@ def test_kv_prompt_length_matches_the_connector_key_rule() -> None:
         assert (len(p) - 1) % block != 0 and len(p) in (n, n - 1) and (len(p) - 1) // block >= 1
 
 
-@settings(max_examples=40, deadline=None)
+@settings(deadline=None)
 @given(st.lists(st.tuples(st.floats(0, 1), st.lists(st.integers(100, 120), min_size=1, max_size=12)),
                 min_size=1, max_size=10))
 def test_deltas_always_rebuild_the_intended_prompt_on_the_worker(steps) -> None:

@@ -6,6 +6,7 @@ from datetime import UTC, datetime
 
 import pytest
 from hypothesis import given
+from pydantic import ValidationError
 from hypothesis import strategies as st
 
 from shared.events import (
@@ -58,9 +59,9 @@ def test_round_trip_is_exact_for_any_reward_and_version(reward, version):
 
 def test_events_are_frozen():
     event = scored()
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen"):
         event.version = 9  # type: ignore[misc]
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen"):
         event.data.reward = 1.0  # type: ignore[attr-defined]
 
 
@@ -124,7 +125,7 @@ def test_no_event_holds_a_value_json_cannot(bad):
 
 
 def test_blob_refs_must_be_sha256_digests():
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="digest"):
         BlobRef(digest="md5:abc", size=1)
     ref = BlobRef(digest="sha256:" + "0" * 64, size=10)
     event = new_event(

@@ -187,22 +187,36 @@ async def test_consumer_killed_before_ack_applies_the_effect_once(store, bus, in
         raise asyncio.CancelledError("killed before ack")
 
     monkeypatch.setattr(Msg, "ack", die)
+    async def effects() -> list[str]:
+        return [s.event.stream_id for s in await store.read_after(0) if s.event.stream_id.startswith("cell-effect-")]
+
+    async def until(predicate, timeout_s: float = 60.0) -> None:  # noqa: ANN001
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not await predicate():
+            assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+            await asyncio.sleep(0.05)
+
     first = EffectService(settings)
     await first.start()
-    await asyncio.sleep(1.0)
+
+    async def crashed_once() -> bool:
+        return acks_lost >= 1 and len(await effects()) >= 1
+
+    await until(crashed_once)  # the crash really came between the commit and the ack
     await first.stop()
-    effects_after_crash = [s for s in await store.read_after(0) if s.event.stream_id.startswith("cell-effect-")]
-    assert len(effects_after_crash) >= 1
-    assert acks_lost >= 1  # the crash really came between the commit and the ack
 
     # Second incarnation: everything is redelivered; effects already applied are skipped, the rest applied once.
     monkeypatch.setattr(Msg, "ack", original_ack)
     second = EffectService(settings)
     await second.start()
-    await asyncio.sleep(3.0)
+
+    async def all_applied() -> bool:
+        return len(await effects()) >= len(inputs)
+
+    await until(all_applied)
+    await asyncio.sleep(1.5)  # past the ack wait: a duplicate redelivery would show now
     await second.stop()
-    effects = [s.event.stream_id for s in await store.read_after(0) if s.event.stream_id.startswith("cell-effect-")]
-    assert sorted(effects) == sorted(f"cell-effect-{e.event_id}" for e in inputs)
+    assert sorted(await effects()) == sorted(f"cell-effect-{e.event_id}" for e in inputs)
 
 
 async def test_a_service_handles_its_own_run_only(store, bus, infra: Infra):

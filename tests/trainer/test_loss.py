@@ -96,7 +96,7 @@ def test_gspo_loss_covers_both_advantage_signs_and_is_truncation() -> None:
     assert float(terms.is_weight.max()) == pytest.approx(2.0)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(deadline=None)
 @given(
     seed=st.integers(0, 10_000),
     num_exec=st.integers(1, 5),

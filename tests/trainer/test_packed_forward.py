@@ -139,7 +139,7 @@ def test_threshold_switches_to_tree_attention_with_same_result(qwen3: torch.nn.M
     assert torch.allclose(dense, sparse, atol=TOL, rtol=0)
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**31 - 1), executions=st.integers(1, 3), branches=st.integers(1, 5))
 def test_packing_equivalence_property(qwen3: torch.nn.Module, seed: int, executions: int, branches: int) -> None:
     trajs = random_trajectories(

@@ -148,7 +148,6 @@ class Simulation:
         self.view_cache: dict[int, tuple[tuple[int, int, bool], LiveExecution]] = {}
         self.last_refresh = -math.inf
         self.cell_views: dict[int, tuple[tuple[Role, CellState, float], CellView]] = {}
-        self.parked_session_s = 0.0
         self.budget_cuts = 0  # executions a wall-clock budget ended before their work was done
         self.trained_tokens = 0
         self.peak_fill = 0.0
