@@ -1,7 +1,9 @@
 """Per-command overhead of the process sandbox vs a plain subprocess, measured in the same run.
 
 Runs the same short commands (`true`, a small file write) N times each way; the last stdout line is JSON:
-{"bench": "harness", "plain_exec_s": ..., "sandbox_exec_s": ..., "overhead_ratio": ...} (medians, seconds).
+{"bench": "harness", "plain_exec_s": ..., "sandbox_exec_s": ..., "overhead_ratio": ..., "<backend>_overhead_s": ...}
+(medians, seconds). The variants run in interleaved rounds after untimed warm-up rounds. The plain command
+takes only milliseconds, so `overhead_ratio` moves a lot with load; `<backend>_overhead_s` is the steadier figure.
 """
 
 from __future__ import annotations
@@ -14,34 +16,47 @@ import tempfile
 import time
 from pathlib import Path
 
-from services.harness.sandbox import available_backends, make_sandbox
+from services.harness.sandbox import ProcessSandbox, available_backends, make_sandbox
 
 COMMANDS = ["true", "echo bench > out.txt && cat out.txt > /dev/null"]
 
 
-def time_plain(workdir: Path, n: int) -> list[float]:
-    samples = []
-    for i in range(n):
-        command = COMMANDS[i % len(COMMANDS)]
-        started = time.perf_counter()
-        subprocess.run(["bash", "-c", command], cwd=workdir, check=True, stdout=subprocess.DEVNULL)
-        samples.append(time.perf_counter() - started)
-    return samples
+WARM_UP = 3  # untimed rounds: every variant's first commands pay page-cache and import costs
 
 
-def time_sandbox(root: Path, backend: str, n: int) -> list[float]:
-    sandbox = make_sandbox(root / f"sandbox-{backend}", backend=backend)
-    samples = []
+def run_plain(workdir: Path, command: str) -> float:
+    started = time.perf_counter()
+    subprocess.run(["bash", "-c", command], cwd=workdir, check=True, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - started
+
+
+def run_sandboxed(sandbox: ProcessSandbox, command: str) -> float:
+    started = time.perf_counter()
+    result = sandbox.exec(command, timeout_s=60)
+    elapsed = time.perf_counter() - started
+    if not result.ok:
+        raise RuntimeError(f"sandbox command failed: {result}")
+    return elapsed
+
+
+def measure(root: Path, backends: list[str], n: int) -> dict[str, list[float]]:
+    """Rounds of one command per variant (plain, then each backend), so load drift over the run reaches every
+    variant alike rather than whichever ran in its block; the first WARM_UP rounds are not timed."""
+    (root / "plain").mkdir()
+    sandboxes = {b: make_sandbox(root / f"sandbox-{b}", backend=b) for b in backends}
+    samples: dict[str, list[float]] = {"plain": [], **{b: [] for b in backends}}
     try:
-        for i in range(n):
+        for i in range(WARM_UP + n):
             command = COMMANDS[i % len(COMMANDS)]
-            started = time.perf_counter()
-            result = sandbox.exec(command, timeout_s=60)
-            samples.append(time.perf_counter() - started)
-            if not result.ok:
-                raise RuntimeError(f"sandbox command failed: {result}")
+            timed = {"plain": run_plain(root / "plain", command)}
+            for backend, sandbox in sandboxes.items():
+                timed[backend] = run_sandboxed(sandbox, command)
+            if i >= WARM_UP:
+                for name, seconds in timed.items():
+                    samples[name].append(seconds)
     finally:
-        sandbox.close(remove=True)
+        for sandbox in sandboxes.values():
+            sandbox.close(remove=True)
     return samples
 
 
@@ -53,13 +68,9 @@ def main() -> None:
     if not backends:
         raise SystemExit("no process sandbox backend works here (needs root and bwrap or unshare)")
     with tempfile.TemporaryDirectory(prefix="gyre-bench-") as tmp:
-        root = Path(tmp)
-        (root / "plain").mkdir()
-        # Interleave the variants' warm-ups so page cache and CPU frequency treat them alike.
-        time_plain(root / "plain", 3)
-        plain = time_plain(root / "plain", args.n)
-        per_backend = {backend: time_sandbox(root, backend, args.n) for backend in backends}
-    plain_s = statistics.median(plain)
+        samples = measure(Path(tmp), list(backends), args.n)
+    plain_s = statistics.median(samples.pop("plain"))
+    per_backend = samples
     report: dict[str, object] = {"bench": "harness", "n": args.n, "backend": backends[0]}
     for backend, samples in per_backend.items():
         median = statistics.median(samples)
