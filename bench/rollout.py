@@ -57,7 +57,8 @@ async def _throughput(args: argparse.Namespace, engine: Any, model_dir: Path, na
     bus = await Bus.connect(nats_url, prefix="bench" + uuid.uuid4().hex[:6])
     directory = WorkerDirectory()
     watcher = await watch_statuses(bus, directory)
-    worker = RolloutWorker(engine, worker_id="bench-a", cell_id="cell-a", capacity=args.executions)
+    # One session more than the timed executions: the untimed warm-up execution keeps its session.
+    worker = RolloutWorker(engine, worker_id="bench-a", cell_id="cell-a", capacity=args.executions + 1)
     server = await WorkerServer(worker, bus).start()
     while not directory.live():
         await asyncio.sleep(0.02)
@@ -73,6 +74,7 @@ async def _throughput(args: argparse.Namespace, engine: Any, model_dir: Path, na
         await asyncio.sleep(0.02)
     try:
         async def agent(i: int | str, turns: int) -> int:
+            core.start_execution(f"bench-{i}")  # registered, as the harness does: no log read at its first call
             client = anthropic.AsyncAnthropic(api_key=registry.register(f"bench-{i}"), base_url=f"http://127.0.0.1:{port}",
                                               max_retries=0, http_client=httpx2.AsyncClient(timeout=600))
             messages: list[dict[str, Any]] = [{"role": "user", "content": f"Task {i}: inspect the repository."}]

@@ -103,6 +103,7 @@ def loop_environment(
     ipc = Path(tempfile.gettempdir()) / f"gyre-{hashlib.sha1(run_id.encode()).hexdigest()[:10]}"
     ipc.mkdir(parents=True, exist_ok=True)
     admin_token = os.environ.get("GYRE_ROLLOUT_ADMIN_TOKEN") or secrets.token_urlsafe(32)
+    token_secret = os.environ.get("GYRE_ROLLOUT_TOKEN_SECRET") or secrets.token_urlsafe(32)
     env = {
         **os.environ,
         "GYRE_RUN_ID": run_id,
@@ -130,6 +131,8 @@ def loop_environment(
         # to the gateway carries any path, and an agent must not lift its own call budget.
         "GYRE_ROLLOUT_ADMIN_TOKEN": admin_token,
         "GYRE_HARNESS_GATEWAY_ADMIN_TOKEN": admin_token,
+        # Execution tokens derived from this secret survive a gateway restart (the launcher restarts services).
+        "GYRE_ROLLOUT_TOKEN_SECRET": token_secret,
         "GYRE_HARNESS_MODEL_NAME": "gyre-tiny",
         "GYRE_HARNESS_WORK_DIR": str(run_dir / "executions"),
         # The tiny model's tasks need one or two calls; bound each execution so a step stays short.

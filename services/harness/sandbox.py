@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import functools
 import os
 import shlex
 import shutil
@@ -254,6 +255,17 @@ def _rlimit_args(limits: SandboxLimits) -> list[str]:
     return [*args, "--"]
 
 
+@functools.lru_cache(maxsize=1)
+def _bwrap_sizes_tmpfs() -> bool:
+    """bubblewrap takes `--size` for a tmpfs from 0.7 on; an older one refuses the option (and so every
+    command), so there /dev/shm stays uncapped."""
+    try:
+        shown = subprocess.run(["bwrap", "--help"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "--size" in shown.stdout + shown.stderr
+
+
 def _drop_privileges_args(uid: int) -> list[str]:
     # no_new_privs: a setuid program (su, mount) cannot gain euid 0 inside (bwrap sets it itself; unshare does not).
     return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all",
@@ -490,8 +502,10 @@ class ProcessSandbox:
             parents(path)
             args.extend(["--ro-bind", path, path])
             made.add(path)
-        args.extend(["--proc", "/proc", "--dev", "/dev", "--perms", "1777",
-                     "--size", str(self.spec.limits.shm_bytes), "--tmpfs", "/dev/shm"])
+        args.extend(["--proc", "/proc", "--dev", "/dev", "--perms", "1777"])
+        if _bwrap_sizes_tmpfs():
+            args.extend(["--size", str(self.spec.limits.shm_bytes)])
+        args.extend(["--tmpfs", "/dev/shm"])
         for bind in binds:
             parents(bind.inside)
             args.extend(["--ro-bind" if bind.read_only else "--bind", str(bind.host), bind.inside])

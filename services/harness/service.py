@@ -32,6 +32,7 @@ from services.harness.execution import (
 from services.harness.external import GatewayAccess
 from services.harness.planning import plan_query, recovery_actions
 from services.harness.sandbox import UID_POOL
+from services.rollout.credentials import derive_token
 from services.harness.tasks import Task, TaskFormatError, load_task
 from shared.events import (
     CallCompleted,
@@ -60,6 +61,10 @@ class HarnessSettings(BaseSettings):
     gateway_url: str = "http://127.0.0.1:8400"  # the gateway's default GYRE_ROLLOUT_PORT
     # The gateway's GYRE_ROLLOUT_ADMIN_TOKEN, which it is read from when this is not set.
     gateway_admin_token: str = Field(default_factory=lambda: os.environ.get("GYRE_ROLLOUT_ADMIN_TOKEN", ""))
+    # The gateway's GYRE_ROLLOUT_TOKEN_SECRET (read from it when not set): with it every execution registers a
+    # derived token, which a restarted gateway still verifies (a random one is known only to the gateway that
+    # minted it, so a gateway restart would lock the execution out).
+    gateway_token_secret: str = Field(default_factory=lambda: os.environ.get("GYRE_ROLLOUT_TOKEN_SECRET", ""))
     model_name: str = "gyre"
     concurrency: int = 2
     harness: Literal["builtin", "claude-code"] = "builtin"
@@ -166,6 +171,8 @@ class HarnessService(Service):
         headers = {"x-api-key": self.h.gateway_admin_token} if self.h.gateway_admin_token else {}
         body = {"execution_id": started.execution_id, "seed": started.seed, "max_calls": started.call_budget,
                 "cell_id": started.cell_id}
+        if self.h.gateway_token_secret:
+            body["token"] = derive_token(self.h.gateway_token_secret.encode(), started.execution_id)
         response = await self._http.post(f"{self.h.gateway_url}/internal/executions", json=body, headers=headers)
         response.raise_for_status()
         return str(response.json()["token"])

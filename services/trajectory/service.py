@@ -65,8 +65,8 @@ class TrajectoryService(Service):
             drop_zero_variance=s.drop_zero_variance,
             max_staleness=s.max_staleness,
         )
-        # Not in Settings yet: when known, a step waits until this many queries are dispatched for it.
-        self.queries_per_step: int | None = getattr(s, "queries_per_step", None)
+        # A floor for logs whose dispatches do not say how many queries feed a step (QueryDispatched.step_queries).
+        self.queries_per_step: int | None = s.queries_per_step
 
     async def setup(self) -> None:
         # State is derived from the log, never kept: a restarted service folds the same events and so

@@ -234,6 +234,41 @@ async def test_an_external_harness_exiting_after_a_refused_call_is_flagged_when_
     assert scored.reward == 0.0
 
 
+async def test_a_dispatch_naming_a_harness_runs_that_one_and_start_sweeps_orphans(
+    store, bus, infra: Infra, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The harness a dispatch names is the agent that runs (not the service's default, which is builtin here);
+    and a starting harness first kills what a dead one left running under the sandbox uids."""
+    import services.harness.service as service_module
+
+    swept: list[bool] = []
+    real_sweep = service_module.UID_POOL.sweep_orphans
+
+    def sweep() -> list[int]:
+        swept.append(True)
+        return real_sweep()
+
+    monkeypatch.setattr(service_module.UID_POOL, "sweep_orphans", sweep)
+    monkeypatch.setenv("GYRE_ROLLOUT_TOKEN_SECRET", "s" * 32)  # the gateway's secret: tokens are derived
+    asked: list[str | None] = []
+
+    class Recording(HarnessService):
+        def harness_config(self, name=None):  # type: ignore[override]  # noqa: ANN001
+            asked.append(name)
+            return super().harness_config("builtin")  # the agent the scripted server answers
+
+    server = gateway([shell("printf 'hello world\\n' > /app/hello.txt"), submit()])
+    query = QueryDispatched(query_id="qh", task_id="create-file-1", group_size=1, seeds=[3], step=0, policy_version=0,
+                            harness="claude-code")
+    events = await dispatch_and_wait(store, bus, infra, tmp_path, server, query, {"execution.scored": 1}, Recording)
+    (started,) = [e.data for e in events if e.type == "execution.started"]
+    assert started.harness == "claude-code" and asked == ["claude-code"]
+    assert swept == [True]
+    from services.rollout.credentials import derive_token
+
+    assert server.registrations[0]["token"] == derive_token(b"s" * 32, started.execution_id)  # type: ignore[attr-defined]
+
+
 def test_the_harness_a_dispatch_names_is_the_one_that_runs(tmp_path: Path) -> None:
     """`execution.started.harness` says which agent ran; the service runs that one, not its own default."""
     from services.harness.execution import BuiltinHarness

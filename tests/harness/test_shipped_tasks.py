@@ -45,6 +45,6 @@ def test_a_pytest_module_left_in_the_workdir_does_not_grade_the_task(tmp_path: P
         sandbox.give_to_sandbox()
         graded, output = run_tests(task, sandbox)
         assert graded.score < 1.0 and graded.source == "pytest", (graded, output.stdout[-2000:])
-        assert "::t" not in [test for test, _ in graded.tests]
+        assert graded.tests and not any(test.endswith("::t") for test, _ in graded.tests)
     finally:
         sandbox.close(remove=True)

@@ -100,6 +100,7 @@ def test_plan_rejects_no_tasks_and_dispatch_past_the_last_step() -> None:
         plan().dispatch(6, policy_version=0)
     q = plan().dispatch(3, policy_version=1)
     assert (q.query_id, q.step, q.task_id, q.group_size, q.policy_version) == ("r1-step1-q1", 1, "a", 2, 1)
+    assert q.step_queries == 2  # the trajectory service waits for both of the step's queries
 
 
 # ---- the fold ----

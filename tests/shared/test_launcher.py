@@ -99,6 +99,7 @@ def test_the_gateway_and_harness_share_a_fresh_admin_token(tmp_path: Path, monke
     from services.harness.service import HarnessSettings
 
     monkeypatch.delenv("GYRE_ROLLOUT_ADMIN_TOKEN", raising=False)
+    monkeypatch.delenv("GYRE_ROLLOUT_TOKEN_SECRET", raising=False)
 
     def env() -> dict[str, str]:
         return launcher.loop_environment(
@@ -110,6 +111,7 @@ def test_the_gateway_and_harness_share_a_fresh_admin_token(tmp_path: Path, monke
     assert len(first["GYRE_ROLLOUT_ADMIN_TOKEN"]) >= 32
     assert first["GYRE_HARNESS_GATEWAY_ADMIN_TOKEN"] == first["GYRE_ROLLOUT_ADMIN_TOKEN"]
     assert second["GYRE_ROLLOUT_ADMIN_TOKEN"] != first["GYRE_ROLLOUT_ADMIN_TOKEN"]
+    assert len(first["GYRE_ROLLOUT_TOKEN_SECRET"]) >= 32  # execution tokens survive a gateway restart
     # A harness started by hand next to a gateway takes the gateway's token when it is not given its own.
     monkeypatch.delenv("GYRE_HARNESS_GATEWAY_ADMIN_TOKEN", raising=False)
     monkeypatch.setenv("GYRE_ROLLOUT_ADMIN_TOKEN", "t" * 32)
