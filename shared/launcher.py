@@ -288,6 +288,26 @@ def learnable_tasks(families: tuple[str, ...] = LEARNABLE_FAMILIES, tasks_dir: P
     return [column[i] for i in range(max(map(len, columns), default=0)) for column in columns if i < len(column)]
 
 
+def resolve_tasks(tasks_dir: Path, task_ids: str) -> list[str]:
+    """The tasks a run trains on: the named ones, each checked to load (a bad one is a clear error here rather
+    than a failed execution later), or the shipped learnable family."""
+    from services.harness.tasks import TaskFormatError, load_task
+
+    if not task_ids.strip():
+        found = learnable_tasks(tasks_dir=tasks_dir)
+        if not found:
+            raise typer.BadParameter(f"{tasks_dir} holds none of the shipped family ({', '.join(LEARNABLE_FAMILIES)}):"
+                                     f" name the tasks to train on with --task-ids")
+        return found
+    chosen = [t.strip() for t in task_ids.split(",") if t.strip()]
+    for task_id in chosen:
+        try:
+            load_task(tasks_dir / task_id)
+        except (TaskFormatError, FileNotFoundError) as exc:
+            raise typer.BadParameter(f"--task-ids {task_id}: {exc}") from exc
+    return chosen
+
+
 @dataclass(frozen=True)
 class WarmStart:
     """The supervised warm-start: an imperfect demonstrator's demonstrations of the learnable family.
@@ -350,6 +370,12 @@ def run(
         Path | None, typer.Option("--warm-start", help="Use this warm-started model instead of training one.")
     ] = None,
     timeout_s: Annotated[float, typer.Option(help="Give up after this many seconds.")] = 3600.0,
+    tasks_dir_option: Annotated[
+        Path, typer.Option("--tasks-dir", help="Folder of task folders (Terminal-Bench format).")
+    ] = Path("tasks"),
+    task_ids: Annotated[
+        str, typer.Option(help="Comma-separated task ids to train on (default: the shipped shell-task family).")
+    ] = "",
 ) -> None:
     """Run the RL loop: infrastructure, tiny model, SFT warm-start, then RL with every service as a process."""
     if mode not in ("elastic", "async", "colocate"):
@@ -365,9 +391,12 @@ def run(
         raise typer.BadParameter(f"--lr and --timeout-s must be positive, got {lr} and {timeout_s}")
     if warm_start_dir is not None and not (warm_start_dir / "config.json").is_file():
         raise typer.BadParameter(f"--warm-start {warm_start_dir}: not a model directory (no config.json)")
-    tasks_dir = Path("tasks").resolve()
+    tasks_dir = tasks_dir_option.resolve()
     if not tasks_dir.is_dir():
-        raise typer.BadParameter(f"no tasks/ folder in {Path.cwd()}: run `gyre run` from the repository root")
+        if tasks_dir_option == Path("tasks"):
+            raise typer.BadParameter(f"no tasks/ folder in {Path.cwd()}: run `gyre run` from the repository root")
+        raise typer.BadParameter(f"--tasks-dir {tasks_dir_option}: no such folder")
+    chosen = resolve_tasks(tasks_dir, task_ids)
     settings = load_settings()
     endpoints = local.up(settings.state_dir, nats_url=settings.nats_url, database_url=settings.database_url,
                          schema=settings.db_schema)
@@ -381,7 +410,7 @@ def run(
     env = loop_environment(
         run_id=run_id, nats_url=endpoints.nats_url, database_url=endpoints.database_url, model_dir=model_dir,
         run_dir=run_dir, mode=mode, steps=steps, group_size=group_size, max_staleness=max_staleness, seed=seed,
-        task_ids=learnable_tasks(tasks_dir=tasks_dir), gateway_port=local.free_port(),
+        task_ids=chosen, gateway_port=local.free_port(),
         extra={"GYRE_SCHEDULER_QUERIES_PER_STEP": str(queries_per_step), "GYRE_TRAINER_LR": str(lr),
                "GYRE_HARNESS_TASKS_DIR": str(tasks_dir)},
     )

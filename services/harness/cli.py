@@ -97,7 +97,7 @@ def gen_tasks(out: Path = Path("tasks")) -> None:
 @harness_app.command("run")
 def run_cmd(
     task_dir: Path,
-    base_url: Annotated[str, typer.Option(help="The gateway's URL, e.g. http://127.0.0.1:8080")],
+    base_url: Annotated[str, typer.Option(help="The gateway's URL, e.g. http://127.0.0.1:8400 (its GYRE_ROLLOUT_PORT)")],
     token: Annotated[str, typer.Option(help="The execution's token")],
     model: Annotated[str, typer.Option(help="The served model's name")],
     harness: Annotated[str, typer.Option(help="builtin, claude-code, or command")] = "builtin",

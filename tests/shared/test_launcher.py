@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from shared import launcher
@@ -22,6 +23,8 @@ from shared.cli import _mount, app
         (["--group-size", "0"], "--group-size must be at least 1"),
         (["--steps", "0"], "--steps must be at least 1"),
         (["--timeout-s", "0"], "must be positive"),
+        (["--tasks-dir", "/nonexistent/tasks"], "no such folder"),
+        (["--task-ids", "sum-numbers-1,no-such-task"], "no-such-task"),
     ],
 )
 def test_bad_options_are_refused_before_anything_starts(args: list[str], message: str) -> None:
@@ -40,6 +43,16 @@ def test_learnable_tasks_are_the_shipped_tasks_of_the_family() -> None:
     assert all(a != b for a, b in zip(families, families[1:]))
     assert {t.rsplit("-", 1)[0] for t in tasks} == set(launcher.LEARNABLE_FAMILIES)
     assert all((Path("tasks") / t / "task.yaml").is_file() for t in tasks)
+
+
+def test_a_run_trains_on_the_tasks_it_is_given(tmp_path: Path) -> None:
+    """`--task-ids` names the tasks (each must load); without it a folder must hold the shipped family."""
+    assert launcher.resolve_tasks(Path("tasks").resolve(), " fix-python-bug , repair-git-repo") == [
+        "fix-python-bug", "repair-git-repo"]
+    assert launcher.resolve_tasks(Path("tasks").resolve(), "") == launcher.learnable_tasks()
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(typer.BadParameter, match="--task-ids"):
+        launcher.resolve_tasks(tmp_path, "")
 
 
 def test_a_process_that_dies_is_started_again_until_the_limit(tmp_path: Path) -> None:
