@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
@@ -151,15 +151,7 @@ class _UidPool:
         """Kill the processes of pool uids that no live holder has: left running by a harness that died (under
         the unshare backend the uid change clears the parent-death signal, so they outlive it and would keep
         changing the preserved work while it is graded). Returns the uids swept."""
-        in_range = set()
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    uid = os.stat(f"/proc/{entry}").st_uid
-                except OSError:
-                    continue
-                if self._base <= uid < self._base + self._size:
-                    in_range.add(uid)
+        in_range = {uid for _, uid in process_uids() if self._base <= uid < self._base + self._size}
         self._lock_dir.mkdir(parents=True, exist_ok=True)
         swept = []
         for uid in sorted(in_range):
@@ -606,19 +598,20 @@ def _kill_tree(pgid: int, exited: threading.Event, grace_s: float) -> None:
             return
 
 
+def process_uids() -> Iterator[tuple[int, int]]:
+    """(pid, effective uid) of every host process."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                # /proc/<pid> is owned by the process's effective uid; one stat is much cheaper than reading status.
+                yield int(entry), os.stat(f"/proc/{entry}").st_uid
+            except OSError:
+                continue
+
+
 def processes_of_uid(uid: int) -> list[int]:
     """Host pids running as `uid`."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            # /proc/<pid> is owned by the process's effective uid; one stat is much cheaper than reading status.
-            if os.stat(f"/proc/{entry}").st_uid == uid:
-                found.append(int(entry))
-        except OSError:
-            continue
-    return found
+    return [pid for pid, owner in process_uids() if owner == uid]
 
 
 def _kill_uid(uid: int, patience_s: float = 30.0) -> None:

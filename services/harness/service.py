@@ -32,8 +32,8 @@ from services.harness.execution import (
 from services.harness.external import GatewayAccess
 from services.harness.planning import plan_query, recovery_actions
 from services.harness.sandbox import UID_POOL
-from services.rollout.credentials import derive_token
 from services.harness.tasks import Task, TaskFormatError, load_task
+from services.rollout.credentials import derive_token
 from shared.events import (
     CallCompleted,
     Event,
