@@ -82,28 +82,92 @@ _READ_RAW = sa.text(
     """
 )
 
-# Bound through psycopg directly with binary array parameters (`%(name)b`): the text format would quote and
-# escape every JSON document and timestamp into an array literal, which costs more CPU than the insert.
-_INSERT_EVENTS = """
-    INSERT INTO events (event_id, stream_id, version, type, schema_version, run_id, occurred_at,
-                        causation_id, correlation_id, data)
-    SELECT event_id, stream_id, version, type, schema_version, run_id, occurred_at, causation_id,
-           correlation_id, data
-    FROM unnest(
-        CAST(%(event_id)b AS uuid[]), CAST(%(stream_id)b AS text[]), CAST(%(version)b AS int[]),
-        CAST(%(type)b AS text[]), CAST(%(schema_version)b AS int[]), CAST(%(run_id)b AS text[]),
-        CAST(%(occurred_at)b AS timestamptz[]), CAST(%(causation_id)b AS uuid[]),
-        CAST(%(correlation_id)b AS uuid[]), CAST(%(data)b AS jsonb[])
-    ) WITH ORDINALITY AS t(event_id, stream_id, version, type, schema_version, run_id, occurred_at,
-                           causation_id, correlation_id, data, ord)
-    ORDER BY ord
-    RETURNING position
+# One statement appends (all through psycopg with binary array parameters, `%(name)b`: the text format would
+# quote and escape every JSON document and timestamp into an array literal, which costs more CPU than the
+# insert). It takes the ordering lock (re-entrant: free when the transaction already holds it), writes the
+# blobs the events refer to, inserts the events in order and wakes the relay (a notification is only a wake-up;
+# equal payloads collapse to one per transaction). Versions are assigned when `assign` is set: the stream's
+# head plus the event's rank in its stream. The head is read with the statement's snapshot, so it is exact only
+# when the lock was taken by an earlier statement (the transactional path); the grouped path runs the statement
+# alone and retries when a same-stream append slipped in (a version conflict). With `expected` set, the rows
+# are inserted only if the stream's head is at it; a short RETURNING tells the caller it was not.
+_APPEND = """
+    WITH held AS (SELECT pg_advisory_xact_lock(%(lock)s)),
+    stored_blobs AS (
+        INSERT INTO blobs (digest, size, media_type, data)
+        SELECT * FROM unnest(CAST(%(blob_digest)b AS text[]), CAST(%(blob_size)b AS bigint[]),
+                             CAST(%(blob_media_type)b AS text[]), CAST(%(blob_data)b AS bytea[]))
+        ON CONFLICT (digest) DO NOTHING
+    ),
+    inserted AS (
+        INSERT INTO events (event_id, stream_id, version, type, schema_version, run_id, occurred_at,
+                            causation_id, correlation_id, data)
+        SELECT t.event_id, t.stream_id,
+               CASE WHEN %(assign)s
+                    THEN COALESCE(h.head, 0) + row_number() OVER (PARTITION BY t.stream_id ORDER BY t.ord)
+                    ELSE t.version END,
+               t.type, t.schema_version, t.run_id, t.occurred_at, t.causation_id, t.correlation_id, t.data
+        FROM held CROSS JOIN unnest(
+            CAST(%(event_id)b AS uuid[]), CAST(%(stream_id)b AS text[]), CAST(%(version)b AS int[]),
+            CAST(%(type)b AS text[]), CAST(%(schema_version)b AS int[]), CAST(%(run_id)b AS text[]),
+            CAST(%(occurred_at)b AS timestamptz[]), CAST(%(causation_id)b AS uuid[]),
+            CAST(%(correlation_id)b AS uuid[]), CAST(%(data)b AS jsonb[])
+        ) WITH ORDINALITY AS t(event_id, stream_id, version, type, schema_version, run_id, occurred_at,
+                               causation_id, correlation_id, data, ord)
+        LEFT JOIN LATERAL (SELECT max(e.version) AS head FROM events e WHERE e.stream_id = t.stream_id) h
+               ON %(assign)s
+        WHERE CAST(%(expected)s AS int) IS NULL OR COALESCE(h.head, 0) = CAST(%(expected)s AS int)
+        ORDER BY t.ord
+        RETURNING position
+    )
+    SELECT inserted.position FROM inserted CROSS JOIN (SELECT pg_notify(%(channel)s, '')) AS woken
+    ORDER BY inserted.position
 """
+_LOCK = "SELECT pg_advisory_xact_lock(%s)"
+_INSERT_BLOB = (
+    "INSERT INTO blobs (digest, size, media_type, data) VALUES (%s, %s, %s, %b) ON CONFLICT (digest) DO NOTHING"
+)
+
+
+def _append_params(
+    events: Sequence[Event], expected: ExpectedVersion, blobs: Sequence[tuple[bytes, str]], *, lock: int, channel: str
+) -> dict[str, Any]:
+    return {
+        "lock": lock,
+        "channel": channel,
+        "blob_digest": [digest_of(data) for data, _ in blobs],
+        "blob_size": [len(data) for data, _ in blobs],
+        "blob_media_type": [media_type for _, media_type in blobs],
+        "blob_data": [data for data, _ in blobs],
+        "event_id": [e.event_id for e in events],
+        "stream_id": [e.stream_id for e in events],
+        "version": [e.version for e in events],
+        "type": [e.type for e in events],
+        "schema_version": [e.schema_version for e in events],
+        "run_id": [e.run_id for e in events],
+        "occurred_at": [e.occurred_at for e in events],
+        "causation_id": [e.causation_id for e in events],
+        "correlation_id": [e.correlation_id for e in events],
+        "data": [e.data.model_dump_json() for e in events],
+        "assign": expected is not None,
+        "expected": expected if isinstance(expected, int) else None,
+    }
+
+
+def _integrity_error(exc: psycopg.IntegrityError, events: Sequence[Event]) -> StoreError:
+    if "event_id" in (exc.diag.constraint_name or ""):
+        return DuplicateEvent(events[0].event_id)
+    return ConcurrencyConflict(events[0].stream_id, "a version being appended already exists")
 
 
 # Once per handled event, in the handler's transaction: a plain statement on the driver costs a third less
 # CPU than building and compiling the SQLAlchemy insert each time.
 _MARK_PROCESSED = "INSERT INTO tracking (consumer, event_id) VALUES (%s, %s) ON CONFLICT DO NOTHING RETURNING event_id"
+
+
+def blob_ref(data: bytes, media_type: str = "application/octet-stream") -> BlobRef:
+    """The reference a blob gets in the store (content-addressed): known before it is written."""
+    return BlobRef(digest=digest_of(data), size=len(data), media_type=media_type, store="pg")
 
 
 async def _driver(conn: AsyncConnection) -> psycopg.AsyncConnection[Any]:
@@ -222,7 +286,9 @@ class Transaction:
         self._pending.append((list(events), expected_version))
 
     async def put_blob(self, data: bytes, media_type: str = "application/octet-stream") -> BlobRef:
-        return await self.store._put_blob(self.connection, data, media_type)
+        ref = blob_ref(data, media_type)
+        await (await _driver(self.connection)).execute(_INSERT_BLOB, (ref.digest, ref.size, media_type, data))
+        return ref
 
     async def mark_processed(self, consumer: str, event_id: uuid.UUID) -> bool:
         """Record that `consumer` handled the event; False if it already had (the effect must be skipped)."""
@@ -231,8 +297,9 @@ class Transaction:
 
     async def _flush(self) -> list[int]:
         positions: list[int] = []
+        driver = await _driver(self.connection)
         for events, expected in self._pending:
-            positions += await self.store._append(self.connection, events, expected)
+            positions += await self.store._write(driver, events, expected)
         self._pending.clear()
         return positions
 
@@ -245,6 +312,7 @@ class EventStore:
         self.schema = schema
         self._lock_key = _lock_key(schema)
         self.channel = notify_channel(schema)
+        self._grouped: GroupedAppender | None = None
 
     @classmethod
     async def connect(cls, url: str, *, schema: str | None = None, migrate: bool = False, pool_size: int = 5) -> EventStore:
@@ -265,7 +333,13 @@ class EventStore:
         return cls(engine, schema)
 
     async def close(self) -> None:
+        if self._grouped is not None:
+            await self._grouped.close()
         await self.engine.dispose()
+
+    def dsn(self) -> str:
+        """A libpq connection string for this store's database (for connections outside the pool)."""
+        return self.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
 
     # ---- transactions ----
 
@@ -283,66 +357,64 @@ class EventStore:
 
     # ---- events ----
 
-    async def append(self, events: Sequence[Event], *, expected_version: ExpectedVersion = None) -> list[int]:
-        """Append events atomically and return their global positions.
+    async def append(
+        self,
+        events: Sequence[Event],
+        *,
+        expected_version: ExpectedVersion = None,
+        blobs: Sequence[tuple[bytes, str]] = (),
+    ) -> list[int]:
+        """Append events atomically, with any blobs they refer to, and return the events' global positions.
 
         expected_version: None = the events' own versions must be free; int = the stream (all events share
         one) must currently be at that version; "any" = the store assigns the next versions per stream.
+        blobs: (data, media type) pairs written in the same transaction (their references: `blob_ref`).
         """
         async with self.engine.connect() as conn:
-            async with conn.begin():
-                return await self._append(conn, events, expected_version)
+            driver = await _driver(conn)
+            async with driver.transaction():
+                return await self._write(driver, events, expected_version, blobs)
+
+    async def append_grouped(self, events: Sequence[Event], *, blobs: Sequence[tuple[bytes, str]] = ()) -> None:
+        """Append events the store versions ("any"), with their blobs, committed together with the appends of
+        other concurrent callers (group commit). For hot paths: see `GroupedAppender`."""
+        if self._grouped is None:
+            self._grouped = GroupedAppender(self)
+        await self._grouped.append(events, blobs)
 
     async def _append(self, conn: AsyncConnection, events: Sequence[Event], expected: ExpectedVersion) -> list[int]:
-        if not events:
-            return []
-        await conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": self._lock_key})
-        events = list(events)
-        if expected is not None:
-            events = await self._with_versions(conn, events, expected)
-        # One statement over arrays (unnest) instead of a row-per-parameter insert: a batch of events costs
-        # one round trip and no per-row SQL compilation.
-        params = {
-            "event_id": [e.event_id for e in events],
-            "stream_id": [e.stream_id for e in events],
-            "version": [e.version for e in events],
-            "type": [e.type for e in events],
-            "schema_version": [e.schema_version for e in events],
-            "run_id": [e.run_id for e in events],
-            "occurred_at": [e.occurred_at for e in events],
-            "causation_id": [e.causation_id for e in events],
-            "correlation_id": [e.correlation_id for e in events],
-            "data": [e.data.model_dump_json() for e in events],
-        }
-        driver = await _driver(conn)
-        try:
-            async with conn.begin_nested():
-                cursor = await driver.execute(_INSERT_EVENTS, params)
-                positions = [r[0] for r in await cursor.fetchall()]
-        except psycopg.IntegrityError as exc:
-            constraint = exc.diag.constraint_name or ""
-            if "event_id" in constraint:
-                raise DuplicateEvent(events[0].event_id) from exc
-            raise ConcurrencyConflict(events[0].stream_id, "a version being appended already exists") from exc
-        await conn.execute(sa.text("SELECT pg_notify(:ch, :p)"), {"ch": self.channel, "p": str(positions[-1])})
-        return positions
+        """Append inside the caller's transaction (it holds the ordering lock until it commits)."""
+        return await self._write(await _driver(conn), events, expected)
 
-    async def _with_versions(self, conn: AsyncConnection, events: list[Event], expected: ExpectedVersion) -> list[Event]:
-        streams = sorted({e.stream_id for e in events})
-        current = await self._stream_versions(conn, streams)
-        if expected == "any":
-            out = []
-            for e in events:
-                current[e.stream_id] += 1
-                out.append(e.model_copy(update={"version": current[e.stream_id]}))
-            return out
-        assert isinstance(expected, int)
-        if len(streams) != 1:
-            raise StoreError(f"an expected version applies to one stream; got events for {streams}")
-        stream = streams[0]
-        if current[stream] != expected:
-            raise ConcurrencyConflict(stream, f"expected version {expected}, stream is at {current[stream]}")
-        return [e.model_copy(update={"version": expected + i + 1}) for i, e in enumerate(events)]
+    async def _write(
+        self,
+        driver: psycopg.AsyncConnection[Any],
+        events: Sequence[Event],
+        expected: ExpectedVersion,
+        blobs: Sequence[tuple[bytes, str]] = (),
+    ) -> list[int]:
+        """Lock, then append, pipelined into one round trip, in the transaction open on `driver`."""
+        if not events and not blobs:
+            return []
+        streams = {e.stream_id for e in events}
+        if isinstance(expected, int) and len(streams) != 1:
+            raise StoreError(f"an expected version applies to one stream; got events for {sorted(streams)}")
+        params = _append_params(events, expected, blobs, lock=self._lock_key, channel=self.channel)
+        try:
+            async with driver.pipeline():
+                # Taken by its own statement first, so the append's snapshot sees every earlier append.
+                await driver.execute(_LOCK, (self._lock_key,))
+                cursor = await driver.execute(_APPEND, params)
+            positions = [r[0] for r in await cursor.fetchall()]
+        except psycopg.IntegrityError as exc:
+            raise _integrity_error(exc, events) from exc
+        if len(positions) != len(events):  # the expected-version guard held the rows back
+            (stream,) = streams
+            cursor = await driver.execute("SELECT COALESCE(max(version), 0) FROM events WHERE stream_id = %s",
+                                          (stream,))
+            head = (await cursor.fetchone() or (0,))[0]
+            raise ConcurrencyConflict(stream, f"expected version {expected}, stream is at {head}")
+        return positions
 
     async def _stream_versions(self, conn: AsyncConnection, streams: Iterable[str]) -> dict[str, int]:
         streams = list(streams)
@@ -415,14 +487,9 @@ class EventStore:
                 return await self._put_blob(conn, data, media_type)
 
     async def _put_blob(self, conn: AsyncConnection, data: bytes, media_type: str) -> BlobRef:
-        digest = digest_of(data)
-        stmt = (
-            postgresql.insert(blobs_table)
-            .values(digest=digest, size=len(data), media_type=media_type, data=data)
-            .on_conflict_do_nothing()
-        )
-        await conn.execute(stmt)
-        return BlobRef(digest=digest, size=len(data), media_type=media_type, store="pg")
+        ref = blob_ref(data, media_type)
+        await (await _driver(conn)).execute(_INSERT_BLOB, (ref.digest, ref.size, media_type, data))
+        return ref
 
     async def get_blob(self, ref: BlobRef | str) -> bytes:
         digest = ref.digest if isinstance(ref, BlobRef) else ref
@@ -463,3 +530,137 @@ class EventStore:
         async with self.engine.connect() as conn:
             async with conn.begin():
                 await conn.execute(stmt)
+
+
+@dataclass
+class _Queued:
+    events: list[Event]
+    blobs: list[tuple[bytes, str]]
+    done: asyncio.Future[None]
+
+
+class GroupedAppender:
+    """Group commit for appends the store versions: every append queued while a commit is in flight goes into
+    the next one, a single statement (`_APPEND`) on a connection of its own, in autocommit.
+
+    For a path that must write before it answers and runs many times at once (the gateway records every model
+    call before the reply leaves): N concurrent appends cost one round trip and one commit, not N pooled
+    transactions of several round trips each. Failures: a version conflict means a same-stream append committed
+    between the statement's snapshot and its lock, and the commit is retried; an event already in the log fails
+    only the append that carried it (the batch is split); a lost connection is reopened and the commit retried
+    once, and if the retry finds every event already stored, the lost attempt had committed.
+    """
+
+    max_events = 1024  # per commit
+    attempts = 4  # per commit, against version conflicts
+
+    def __init__(self, store: EventStore) -> None:
+        self.store = store
+        self._queue: list[_Queued] = []
+        self._wake = asyncio.Event()
+        self._closing = False
+        self._conn: psycopg.AsyncConnection[Any] | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def append(self, events: Sequence[Event], blobs: Sequence[tuple[bytes, str]] = ()) -> None:
+        if self._closing:
+            raise StoreError("the event store is closed")
+        if not events and not blobs:
+            return
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        done.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even if nobody waits now
+        self._queue.append(_Queued(list(events), list(blobs), done))
+        self._wake.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="grouped-appender")
+        await asyncio.shield(done)  # a caller that stops waiting does not take the others' commit with it
+
+    async def close(self) -> None:
+        """Commit what is queued, then close the connection."""
+        self._closing = True
+        self._wake.set()
+        if self._task is not None:
+            await self._task
+            self._task = None
+        await self._drop_connection()
+
+    async def _run(self) -> None:
+        try:
+            while self._queue or not self._closing:
+                if not self._queue:
+                    await self._wake.wait()
+                    self._wake.clear()
+                    continue
+                batch: list[_Queued] = []
+                size = 0
+                while self._queue and (not batch or size + len(self._queue[0].events) <= self.max_events):
+                    batch.append(self._queue.pop(0))
+                    size += len(batch[-1].events)
+                await self._commit_batch(batch)
+        finally:  # cancelled with the loop: nobody may wait forever
+            for queued in self._queue:
+                if not queued.done.done():
+                    queued.done.set_exception(StoreError("the event store closed before the append committed"))
+            self._queue.clear()
+
+    async def _commit_batch(self, batch: list[_Queued]) -> None:
+        try:
+            await self._commit(batch)
+        except DuplicateEvent:
+            if len(batch) > 1:
+                for one in batch:  # keep the failure to the append that carried the event
+                    await self._commit_batch([one])
+                return
+            batch[0].done.set_exception(DuplicateEvent(batch[0].events[0].event_id))
+        except Exception as exc:
+            for queued in batch:
+                queued.done.set_exception(exc)
+        else:
+            for queued in batch:
+                queued.done.set_result(None)
+
+    async def _commit(self, batch: list[_Queued]) -> None:
+        events = [e for queued in batch for e in queued.events]
+        blobs = [b for queued in batch for b in queued.blobs]
+        params = _append_params(events, "any", blobs, lock=self.store._lock_key, channel=self.store.channel)
+        conflicts, reconnected = 0, False
+        while True:  # returns once committed; every other way out raises
+            try:
+                conn = await self._connection()
+                await (await conn.execute(_APPEND, params)).fetchall()
+                return
+            except psycopg.IntegrityError as exc:
+                if "event_id" not in (exc.diag.constraint_name or ""):
+                    conflicts += 1
+                    if conflicts >= self.attempts:
+                        raise _integrity_error(exc, events) from exc
+                    continue  # a stale head: read again
+                if reconnected and await self._all_stored(events):
+                    return  # the attempt whose connection was lost had committed
+                raise DuplicateEvent(events[0].event_id) from exc
+            except psycopg.OperationalError:
+                await self._drop_connection()
+                if reconnected:
+                    raise
+                reconnected = True
+
+    async def _all_stored(self, events: list[Event]) -> bool:
+        conn = await self._connection()
+        cursor = await conn.execute("SELECT count(*) FROM events WHERE event_id = ANY(%s)",
+                                    ([e.event_id for e in events],))
+        row = await cursor.fetchone()
+        return row is not None and row[0] == len(events)
+
+    async def _connection(self) -> psycopg.AsyncConnection[Any]:
+        if self._conn is None or self._conn.closed:
+            options = f"-csearch_path={self.store.schema}" if self.store.schema else ""
+            self._conn = await psycopg.AsyncConnection.connect(self.store.dsn(), autocommit=True, options=options)
+        return self._conn
+
+    async def _drop_connection(self) -> None:
+        if self._conn is not None:
+            try:
+                await self._conn.close()
+            except psycopg.Error:
+                pass
+            self._conn = None

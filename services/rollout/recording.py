@@ -29,6 +29,7 @@ from shared.events import (
     new_event,
     stream_id_for,
 )
+from shared.store import blob_ref
 from shared.tokens import digest_of
 
 Api = Literal["anthropic", "openai", "internal"]
@@ -329,10 +330,11 @@ class StoreCallRecorder(_LoggedRecorder):
         return ExecutionLog.from_records(records)
 
     async def _persist(self, call: CompletedCall, placement: Placement, blob: bytes) -> RecordedCall:
-        async with self.store.transaction() as tx:  # type: ignore[attr-defined]
-            ref = await tx.put_blob(blob, CALL_RECORD_MEDIA_TYPE)
-            events = build_events(call, placement, ref, run_id=self.run_id, occurred_at=self._clock())
-            tx.append(events, expected_version="any")
+        # On every call's reply path: one append carries the blob and the events, and concurrent calls' appends
+        # commit together (one statement, one commit).
+        ref = blob_ref(blob, CALL_RECORD_MEDIA_TYPE)
+        events = build_events(call, placement, ref, run_id=self.run_id, occurred_at=self._clock())
+        await self.store.append_grouped(events, blobs=[(blob, CALL_RECORD_MEDIA_TYPE)])  # type: ignore[attr-defined]
         return RecordedCall(placement=placement, event=events[-1], blob=ref)
 
 

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime
 
 import pytest
 import sqlalchemy as sa
 
-from shared.events import CellAssigned
-from shared.store import BlobCorrupted, BlobNotFound, ConcurrencyConflict, DuplicateEvent, EventStore, blobs_table
+from shared.events import CellAssigned, Event, new_event
+from shared.store import (
+    BlobCorrupted,
+    BlobNotFound,
+    ConcurrencyConflict,
+    DuplicateEvent,
+    EventStore,
+    StoreError,
+    blob_ref,
+    blobs_table,
+)
 from tests.conftest import drop_store, make_store
 from tests.shared.helpers import assigned
 
@@ -217,3 +227,99 @@ async def test_after_commit_callbacks_run_only_after_a_commit(es: EventStore):
             tx.after_commit(lambda: ran.append("never"))
             raise RuntimeError("rolled back")
     assert ran == ["sync", "async"]
+
+
+async def test_grouped_appends_version_each_stream_in_call_order(es: EventStore):
+    """Concurrent callers' appends commit together; each stream still gets gap-free versions in call order."""
+    await es.append([assigned("cell-a", 1)])
+
+    def tagged(stream: str, tag: str) -> Event:
+        data = CellAssigned(cell_id=stream.removeprefix("cell-"), role="rollout", policy="async", reason=tag)
+        return new_event(data, run_id="r", stream_id=stream, version=1, occurred_at=datetime.now(UTC))
+
+    async def caller(i: int) -> None:
+        stream = f"cell-{'ab'[i % 2]}"
+        blob = f"record {i}".encode()
+        await es.append_grouped([tagged(stream, f"r{i}"), tagged(stream, f"s{i}")], blobs=[(blob, "text/plain")])
+
+    await asyncio.gather(*(caller(i) for i in range(20)))
+    for stream, first in (("cell-a", 2), ("cell-b", 1)):
+        stored = await es.read_stream(stream)
+        assert [s.event.version for s in stored] == list(range(1, len(stored) + 1))
+        roles = [s.event.data.reason for s in stored[first - 1 :]]
+        calls = [int(r[1:]) for r in roles[::2]]
+        assert roles[1::2] == [f"s{i}" for i in calls], "an append's events must stay together and in order"
+        assert calls == sorted(calls), "appends commit in the order they were made"
+    assert [s.position for s in await es.read_after(0, limit=100)] == sorted(
+        s.position for s in await es.read_after(0, limit=100))
+    for i in range(20):
+        assert await es.get_blob(blob_ref(f"record {i}".encode(), "text/plain")) == f"record {i}".encode()
+
+
+async def test_a_duplicate_in_a_grouped_commit_fails_only_its_own_append(es: EventStore):
+    stored = assigned("cell-a", 1)
+    await es.append([stored])
+    results = await asyncio.gather(
+        es.append_grouped([assigned("cell-b")]),
+        es.append_grouped([stored]),
+        es.append_grouped([assigned("cell-c")]),
+        return_exceptions=True,
+    )
+    assert results[0] is None and results[2] is None
+    assert isinstance(results[1], DuplicateEvent)
+    assert len(await es.read_stream("cell-b")) == len(await es.read_stream("cell-c")) == 1
+    assert len(await es.read_stream("cell-a")) == 1
+
+
+async def test_a_grouped_append_waits_for_a_held_lock_and_takes_the_next_version(es: EventStore):
+    """Its statement's snapshot predates the other append's commit: the version it first computes is taken,
+    and it must read again rather than fail or leave a gap."""
+    async with es.engine.connect() as conn:
+        trans = await conn.begin()
+        await es._append(conn, [assigned("cell-a", 1)], None)  # holds the ordering lock, uncommitted
+        grouped = asyncio.create_task(es.append_grouped([assigned("cell-a")]))
+        await asyncio.sleep(0.3)
+        assert not grouped.done(), "the grouped append must wait for the lock"
+        await trans.commit()
+    await grouped
+    stored = await es.read_stream("cell-a")
+    assert [s.event.version for s in stored] == [1, 2]
+    assert [s.position for s in stored] == sorted(s.position for s in stored)
+
+
+async def test_a_grouped_append_survives_a_lost_connection(es: EventStore):
+    await es.append_grouped([assigned("cell-a")])
+    async with es.engine.connect() as conn:
+        pids = (await conn.execute(sa.text(
+            "SELECT pid FROM pg_stat_activity WHERE pid <> pg_backend_pid() AND datname = current_database() "
+            "AND query LIKE '%%WITH held AS%%'"))).scalars().all()
+        assert pids, "the grouped appender's connection should be visible"
+        for pid in pids:
+            await conn.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+    await es.append_grouped([assigned("cell-a")])
+    assert [s.event.version for s in await es.read_stream("cell-a")] == [1, 2]
+
+
+async def test_closing_the_store_commits_queued_grouped_appends(backend):
+    store = await make_store(backend.database_url)
+    try:
+        pending = [asyncio.create_task(store.append_grouped([assigned(f"cell-{i}")])) for i in range(5)]
+        await asyncio.sleep(0)
+        assert store._grouped is not None
+        await store._grouped.close()
+        await asyncio.gather(*pending)
+        assert [len(await store.read_stream(f"cell-{i}")) for i in range(5)] == [1] * 5
+        with pytest.raises(StoreError, match="closed"):
+            await store.append_grouped([assigned("cell-x")])
+    finally:
+        await drop_store(store)
+
+
+async def test_a_grouped_append_that_cannot_reach_the_database_raises(es: EventStore, monkeypatch):
+    import psycopg
+
+    monkeypatch.setattr(es, "dsn", lambda: "postgresql://nobody@127.0.0.1:1/none?connect_timeout=2")
+    with pytest.raises(psycopg.OperationalError):
+        await es.append_grouped([assigned("cell-a")])
+    monkeypatch.undo()
+    assert await es.read_stream("cell-a") == []
