@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import uuid
 import zlib
 import asyncio
@@ -82,24 +83,24 @@ _READ_RAW = sa.text(
     """
 )
 
-# One statement appends (all through psycopg with binary array parameters, `%(name)b`: the text format would
-# quote and escape every JSON document and timestamp into an array literal, which costs more CPU than the
-# insert). It takes the ordering lock (re-entrant: free when the transaction already holds it), writes the
-# blobs the events refer to, inserts the events in order and wakes the relay (a notification is only a wake-up;
-# equal payloads collapse to one per transaction). Versions are assigned when `assign` is set: the stream's
-# head plus the event's rank in its stream. The head is read with the statement's snapshot, so it is exact only
-# when the lock was taken by an earlier statement (the transactional path); the grouped path runs the statement
-# alone and retries when a same-stream append slipped in (a version conflict). With `expected` set, the rows
-# are inserted only if the stream's head is at it; a short RETURNING tells the caller it was not.
+# An append is three statements pipelined into one round trip, inside a transaction: the blobs its events refer
+# to, the ordering lock, then the events (all through psycopg with binary array parameters, `%(name)b`: the text
+# format would quote and escape every JSON document and timestamp into an array literal, which costs more CPU
+# than the insert). Blobs go first so that no transaction writes a blob while it holds the lock (one that wrote
+# the same blob first and waits for the lock would deadlock with it), in digest order for the same reason.
+# `_APPEND` runs after the lock statement, so its snapshot sees every earlier append and stream heads are
+# exact. Versions are assigned when `assign` is set: the stream's head plus the event's rank in its stream. With
+# `expected` set, the rows are inserted only if the stream's head is at it; a short RETURNING tells the caller
+# it was not. The relay's wake-up rides along (only a wake-up: equal payloads collapse to one per commit).
+_INSERT_BLOBS = """
+    INSERT INTO blobs (digest, size, media_type, data)
+    SELECT * FROM unnest(CAST(%(digest)b AS text[]), CAST(%(size)b AS bigint[]), CAST(%(media_type)b AS text[]),
+                         CAST(%(data)b AS bytea[]))
+    ON CONFLICT (digest) DO NOTHING
+"""
+_LOCK = "SELECT pg_advisory_xact_lock(%s)"
 _APPEND = """
-    WITH held AS (SELECT pg_advisory_xact_lock(%(lock)s)),
-    stored_blobs AS (
-        INSERT INTO blobs (digest, size, media_type, data)
-        SELECT * FROM unnest(CAST(%(blob_digest)b AS text[]), CAST(%(blob_size)b AS bigint[]),
-                             CAST(%(blob_media_type)b AS text[]), CAST(%(blob_data)b AS bytea[]))
-        ON CONFLICT (digest) DO NOTHING
-    ),
-    inserted AS (
+    WITH inserted AS (
         INSERT INTO events (event_id, stream_id, version, type, schema_version, run_id, occurred_at,
                             causation_id, correlation_id, data)
         SELECT t.event_id, t.stream_id,
@@ -107,7 +108,7 @@ _APPEND = """
                     THEN COALESCE(h.head, 0) + row_number() OVER (PARTITION BY t.stream_id ORDER BY t.ord)
                     ELSE t.version END,
                t.type, t.schema_version, t.run_id, t.occurred_at, t.causation_id, t.correlation_id, t.data
-        FROM held CROSS JOIN unnest(
+        FROM unnest(
             CAST(%(event_id)b AS uuid[]), CAST(%(stream_id)b AS text[]), CAST(%(version)b AS int[]),
             CAST(%(type)b AS text[]), CAST(%(schema_version)b AS int[]), CAST(%(run_id)b AS text[]),
             CAST(%(occurred_at)b AS timestamptz[]), CAST(%(causation_id)b AS uuid[]),
@@ -123,22 +124,24 @@ _APPEND = """
     SELECT inserted.position FROM inserted CROSS JOIN (SELECT pg_notify(%(channel)s, '')) AS woken
     ORDER BY inserted.position
 """
-_LOCK = "SELECT pg_advisory_xact_lock(%s)"
 _INSERT_BLOB = (
     "INSERT INTO blobs (digest, size, media_type, data) VALUES (%s, %s, %s, %b) ON CONFLICT (digest) DO NOTHING"
 )
 
 
-def _append_params(
-    events: Sequence[Event], expected: ExpectedVersion, blobs: Sequence[tuple[bytes, str]], *, lock: int, channel: str
-) -> dict[str, Any]:
+def _blob_params(blobs: Sequence[tuple[bytes, str]]) -> dict[str, Any]:
+    rows = sorted({digest_of(data): (len(data), media_type, data) for data, media_type in blobs}.items())
     return {
-        "lock": lock,
+        "digest": [digest for digest, _ in rows],
+        "size": [size for _, (size, _, _) in rows],
+        "media_type": [media_type for _, (_, media_type, _) in rows],
+        "data": [data for _, (_, _, data) in rows],
+    }
+
+
+def _append_params(events: Sequence[Event], expected: ExpectedVersion, *, channel: str) -> dict[str, Any]:
+    return {
         "channel": channel,
-        "blob_digest": [digest_of(data) for data, _ in blobs],
-        "blob_size": [len(data) for data, _ in blobs],
-        "blob_media_type": [media_type for _, media_type in blobs],
-        "blob_data": [data for data, _ in blobs],
         "event_id": [e.event_id for e in events],
         "stream_id": [e.stream_id for e in events],
         "version": [e.version for e in events],
@@ -156,8 +159,10 @@ def _append_params(
 
 def _integrity_error(exc: psycopg.IntegrityError, events: Sequence[Event]) -> StoreError:
     if "event_id" in (exc.diag.constraint_name or ""):
-        return DuplicateEvent(events[0].event_id)
-    return ConcurrencyConflict(events[0].stream_id, "a version being appended already exists")
+        found = re.search(r"\(event_id\)=\(([0-9a-f-]{36})\)", exc.diag.message_detail or "")
+        return DuplicateEvent(uuid.UUID(found.group(1)) if found else events[0].event_id)
+    stream = events[0].stream_id if events else "?"
+    return ConcurrencyConflict(stream, "a version being appended already exists")
 
 
 # Once per handled event, in the handler's transaction: a plain statement on the driver costs a third less
@@ -299,7 +304,8 @@ class Transaction:
         positions: list[int] = []
         driver = await _driver(self.connection)
         for events, expected in self._pending:
-            positions += await self.store._write(driver, events, expected)
+            async with driver.pipeline():
+                positions += await self.store._write(driver, events, expected)
         self._pending.clear()
         return positions
 
@@ -372,7 +378,7 @@ class EventStore:
         """
         async with self.engine.connect() as conn:
             driver = await _driver(conn)
-            async with driver.transaction():
+            async with driver.pipeline(), driver.transaction():
                 return await self._write(driver, events, expected_version, blobs)
 
     async def append_grouped(self, events: Sequence[Event], *, blobs: Sequence[tuple[bytes, str]] = ()) -> None:
@@ -384,7 +390,9 @@ class EventStore:
 
     async def _append(self, conn: AsyncConnection, events: Sequence[Event], expected: ExpectedVersion) -> list[int]:
         """Append inside the caller's transaction (it holds the ordering lock until it commits)."""
-        return await self._write(await _driver(conn), events, expected)
+        driver = await _driver(conn)
+        async with driver.pipeline():
+            return await self._write(driver, events, expected)
 
     async def _write(
         self,
@@ -392,19 +400,24 @@ class EventStore:
         events: Sequence[Event],
         expected: ExpectedVersion,
         blobs: Sequence[tuple[bytes, str]] = (),
+        *,
+        check: bool = True,
     ) -> list[int]:
-        """Lock, then append, pipelined into one round trip, in the transaction open on `driver`."""
-        if not events and not blobs:
-            return []
+        """Send an append's statements on `driver`, in pipeline mode and inside its open transaction, and with
+        `check` wait for them (one round trip) and return the events' positions. Without it nothing is waited
+        for; the caller's commit reports any error."""
         streams = {e.stream_id for e in events}
-        if isinstance(expected, int) and len(streams) != 1:
+        if isinstance(expected, int) and len(streams) > 1:
             raise StoreError(f"an expected version applies to one stream; got events for {sorted(streams)}")
-        params = _append_params(events, expected, blobs, lock=self._lock_key, channel=self.channel)
+        if blobs:
+            await driver.execute(_INSERT_BLOBS, _blob_params(blobs))
+        if not events:
+            return []
+        await driver.execute(_LOCK, (self._lock_key,))
         try:
-            async with driver.pipeline():
-                # Taken by its own statement first, so the append's snapshot sees every earlier append.
-                await driver.execute(_LOCK, (self._lock_key,))
-                cursor = await driver.execute(_APPEND, params)
+            cursor = await driver.execute(_APPEND, _append_params(events, expected, channel=self.channel))
+            if not check:
+                return []
             positions = [r[0] for r in await cursor.fetchall()]
         except psycopg.IntegrityError as exc:
             raise _integrity_error(exc, events) from exc
@@ -532,6 +545,9 @@ class EventStore:
                 await conn.execute(stmt)
 
 
+GROUPED_APPENDER_NAME = "gyre-grouped-appender"  # its connection's application_name (pg_stat_activity)
+
+
 @dataclass
 class _Queued:
     events: list[Event]
@@ -541,22 +557,24 @@ class _Queued:
 
 class GroupedAppender:
     """Group commit for appends the store versions: every append queued while a commit is in flight goes into
-    the next one, a single statement (`_APPEND`) on a connection of its own, in autocommit.
+    the next one, a single transaction on a connection of its own whose statements (blobs, lock, events,
+    commit) are pipelined into one round trip.
 
     For a path that must write before it answers and runs many times at once (the gateway records every model
     call before the reply leaves): N concurrent appends cost one round trip and one commit, not N pooled
-    transactions of several round trips each. Failures: a version conflict means a same-stream append committed
-    between the statement's snapshot and its lock, and the commit is retried; an event already in the log fails
-    only the append that carried it (the batch is split); a lost connection is reopened and the commit retried
-    once, and if the retry finds every event already stored, the lost attempt had committed.
+    transactions of several round trips each. Failures: an append that conflicts (an event already in the log)
+    fails alone, the batch being split; a deadlock or serialization failure is retried; a lost connection is
+    reopened and the commit retried once, and if the retry finds every event already stored, the lost attempt
+    had committed. A caller is told of success only once its events are committed.
     """
 
     max_events = 1024  # per commit
-    attempts = 4  # per commit, against version conflicts
+    attempts = 3  # per commit, against deadlocks and serialization failures
 
     def __init__(self, store: EventStore) -> None:
         self.store = store
         self._queue: list[_Queued] = []
+        self._inflight: list[_Queued] = []
         self._wake = asyncio.Event()
         self._closing = False
         self._conn: psycopg.AsyncConnection[Any] | None = None
@@ -579,9 +597,13 @@ class GroupedAppender:
         """Commit what is queued, then close the connection."""
         self._closing = True
         self._wake.set()
-        if self._task is not None:
-            await self._task
-            self._task = None
+        task, self._task = self._task, None
+        if task is not None:
+            try:
+                await asyncio.shield(task)  # a cancelled close must not cancel a commit in flight
+            except asyncio.CancelledError:
+                if not task.cancelled():
+                    raise  # this close was cancelled, not the writer
         await self._drop_connection()
 
     async def _run(self) -> None:
@@ -591,27 +613,30 @@ class GroupedAppender:
                     await self._wake.wait()
                     self._wake.clear()
                     continue
-                batch: list[_Queued] = []
                 size = 0
-                while self._queue and (not batch or size + len(self._queue[0].events) <= self.max_events):
-                    batch.append(self._queue.pop(0))
-                    size += len(batch[-1].events)
-                await self._commit_batch(batch)
-        finally:  # cancelled with the loop: nobody may wait forever
+                while self._queue and (not self._inflight or size + len(self._queue[0].events) <= self.max_events):
+                    self._inflight.append(self._queue.pop(0))
+                    size += len(self._inflight[-1].events)
+                await self._commit_batch(self._inflight)
+                self._inflight = []
+        finally:  # cancelled (the loop is closing): nobody may wait forever, nor be told of a commit it lacks
+            for queued in self._inflight:
+                if not queued.done.done():
+                    queued.done.set_exception(StoreError("the appender stopped during its commit: outcome unknown"))
             for queued in self._queue:
                 if not queued.done.done():
                     queued.done.set_exception(StoreError("the event store closed before the append committed"))
-            self._queue.clear()
+            self._inflight, self._queue = [], []
 
     async def _commit_batch(self, batch: list[_Queued]) -> None:
         try:
             await self._commit(batch)
-        except DuplicateEvent:
+        except (DuplicateEvent, ConcurrencyConflict) as exc:
             if len(batch) > 1:
-                for one in batch:  # keep the failure to the append that carried the event
+                for one in batch:  # keep the failure to the append that caused it
                     await self._commit_batch([one])
                 return
-            batch[0].done.set_exception(DuplicateEvent(batch[0].events[0].event_id))
+            batch[0].done.set_exception(exc)
         except Exception as exc:
             for queued in batch:
                 queued.done.set_exception(exc)
@@ -622,23 +647,25 @@ class GroupedAppender:
     async def _commit(self, batch: list[_Queued]) -> None:
         events = [e for queued in batch for e in queued.events]
         blobs = [b for queued in batch for b in queued.blobs]
-        params = _append_params(events, "any", blobs, lock=self.store._lock_key, channel=self.store.channel)
-        conflicts, reconnected = 0, False
+        rollbacks, reconnected = 0, False
         while True:  # returns once committed; every other way out raises
+            conn: psycopg.AsyncConnection[Any] | None = None
             try:
                 conn = await self._connection()
-                await (await conn.execute(_APPEND, params)).fetchall()
+                async with conn.pipeline(), conn.transaction():
+                    await self.store._write(conn, events, "any", blobs, check=False)
                 return
             except psycopg.IntegrityError as exc:
-                if "event_id" not in (exc.diag.constraint_name or ""):
-                    conflicts += 1
-                    if conflicts >= self.attempts:
-                        raise _integrity_error(exc, events) from exc
-                    continue  # a stale head: read again
                 if reconnected and await self._all_stored(events):
                     return  # the attempt whose connection was lost had committed
-                raise DuplicateEvent(events[0].event_id) from exc
+                raise _integrity_error(exc, events) from exc
+            except psycopg.errors.TransactionRollback:
+                rollbacks += 1
+                if rollbacks >= self.attempts:
+                    raise
             except psycopg.OperationalError:
+                if conn is not None and not (conn.broken or conn.closed):
+                    raise  # the server refused the statement: retrying would not help
                 await self._drop_connection()
                 if reconnected:
                     raise
@@ -649,12 +676,20 @@ class GroupedAppender:
         cursor = await conn.execute("SELECT count(*) FROM events WHERE event_id = ANY(%s)",
                                     ([e.event_id for e in events],))
         row = await cursor.fetchone()
+        await conn.rollback()  # the read opened a transaction
         return row is not None and row[0] == len(events)
 
     async def _connection(self) -> psycopg.AsyncConnection[Any]:
         if self._conn is None or self._conn.closed:
-            options = f"-csearch_path={self.store.schema}" if self.store.schema else ""
-            self._conn = await psycopg.AsyncConnection.connect(self.store.dsn(), autocommit=True, options=options)
+            if self.store.schema:  # otherwise the URL's own options stand
+                self._conn = await psycopg.AsyncConnection.connect(
+                    self.store.dsn(), application_name=GROUPED_APPENDER_NAME,
+                    options=f"-csearch_path={self.store.schema}",
+                )
+            else:
+                self._conn = await psycopg.AsyncConnection.connect(
+                    self.store.dsn(), application_name=GROUPED_APPENDER_NAME
+                )
         return self._conn
 
     async def _drop_connection(self) -> None:

@@ -14,7 +14,9 @@ from shared.store import (
     BlobNotFound,
     ConcurrencyConflict,
     DuplicateEvent,
+    GROUPED_APPENDER_NAME,
     EventStore,
+    GroupedAppender,
     StoreError,
     blob_ref,
     blobs_table,
@@ -243,15 +245,12 @@ async def test_grouped_appends_version_each_stream_in_call_order(es: EventStore)
         await es.append_grouped([tagged(stream, f"r{i}"), tagged(stream, f"s{i}")], blobs=[(blob, "text/plain")])
 
     await asyncio.gather(*(caller(i) for i in range(20)))
-    for stream, first in (("cell-a", 2), ("cell-b", 1)):
+    for stream in ("cell-a", "cell-b"):
         stored = await es.read_stream(stream)
         assert [s.event.version for s in stored] == list(range(1, len(stored) + 1))
-        roles = [s.event.data.reason for s in stored[first - 1 :]]
-        calls = [int(r[1:]) for r in roles[::2]]
-        assert roles[1::2] == [f"s{i}" for i in calls], "an append's events must stay together and in order"
-        assert calls == sorted(calls), "appends commit in the order they were made"
-    assert [s.position for s in await es.read_after(0, limit=100)] == sorted(
-        s.position for s in await es.read_after(0, limit=100))
+    # In the log's order (positions), each append's events together and the appends in the order they were made.
+    in_log = [(s.event.stream_id, s.event.data.reason) for s in (await es.read_after(0, limit=100))[1:]]
+    assert in_log == [(f"cell-{'ab'[i % 2]}", f"{tag}{i}") for i in range(20) for tag in "rs"]
     for i in range(20):
         assert await es.get_blob(blob_ref(f"record {i}".encode(), "text/plain")) == f"record {i}".encode()
 
@@ -261,19 +260,32 @@ async def test_a_duplicate_in_a_grouped_commit_fails_only_its_own_append(es: Eve
     await es.append([stored])
     results = await asyncio.gather(
         es.append_grouped([assigned("cell-b")]),
-        es.append_grouped([stored]),
+        es.append_grouped([assigned("cell-d"), stored]),
         es.append_grouped([assigned("cell-c")]),
         return_exceptions=True,
     )
     assert results[0] is None and results[2] is None
-    assert isinstance(results[1], DuplicateEvent)
+    assert isinstance(results[1], DuplicateEvent) and results[1].event_id == stored.event_id
+    assert await es.read_stream("cell-d") == [], "a failed append writes nothing"
     assert len(await es.read_stream("cell-b")) == len(await es.read_stream("cell-c")) == 1
     assert len(await es.read_stream("cell-a")) == 1
 
 
-async def test_a_grouped_append_waits_for_a_held_lock_and_takes_the_next_version(es: EventStore):
-    """Its statement's snapshot predates the other append's commit: the version it first computes is taken,
-    and it must read again rather than fail or leave a gap."""
+async def test_a_grouped_append_waits_for_the_ordering_lock(es: EventStore):
+    """Held by an uncommitted append to another stream: the grouped append must wait, and land after it."""
+    async with es.engine.connect() as conn:
+        trans = await conn.begin()
+        await es._append(conn, [assigned("cell-a", 1)], None)
+        grouped = asyncio.create_task(es.append_grouped([assigned("cell-b")]))
+        await asyncio.sleep(0.3)
+        assert not grouped.done(), "the grouped append must wait for the lock"
+        assert await es.read_after(0) == []
+        await trans.commit()
+    await grouped
+    assert [s.event.stream_id for s in await es.read_after(0)] == ["cell-a", "cell-b"]
+
+
+async def test_a_grouped_append_after_a_held_append_takes_the_next_version(es: EventStore):
     async with es.engine.connect() as conn:
         trans = await conn.begin()
         await es._append(conn, [assigned("cell-a", 1)], None)  # holds the ordering lock, uncommitted
@@ -291,8 +303,8 @@ async def test_a_grouped_append_survives_a_lost_connection(es: EventStore):
     await es.append_grouped([assigned("cell-a")])
     async with es.engine.connect() as conn:
         pids = (await conn.execute(sa.text(
-            "SELECT pid FROM pg_stat_activity WHERE pid <> pg_backend_pid() AND datname = current_database() "
-            "AND query LIKE '%%WITH held AS%%'"))).scalars().all()
+            "SELECT pid FROM pg_stat_activity WHERE application_name = :name"), {"name": GROUPED_APPENDER_NAME})
+        ).scalars().all()
         assert pids, "the grouped appender's connection should be visible"
         for pid in pids:
             await conn.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
@@ -323,3 +335,31 @@ async def test_a_grouped_append_that_cannot_reach_the_database_raises(es: EventS
         await es.append_grouped([assigned("cell-a")])
     monkeypatch.undo()
     assert await es.read_stream("cell-a") == []
+
+
+async def test_an_append_of_no_events_writes_nothing_and_returns_no_positions(es: EventStore):
+    assert await es.append([], expected_version=3) == []
+    await es.append_grouped([])
+    assert await es.read_after(0) == []
+
+
+async def test_a_grouped_appender_stopped_mid_commit_fails_its_callers(es: EventStore, monkeypatch):
+    """Nobody waits forever: the batch in flight learns that its outcome is unknown, the queued ones that
+    they were not written."""
+    started = asyncio.Event()
+
+    async def slow_commit(self: GroupedAppender, batch: list) -> None:
+        started.set()
+        await asyncio.sleep(30)
+
+    monkeypatch.setattr(GroupedAppender, "_commit", slow_commit)
+    first = asyncio.create_task(es.append_grouped([assigned("cell-a")]))
+    await started.wait()
+    second = asyncio.create_task(es.append_grouped([assigned("cell-b")]))
+    await asyncio.sleep(0)
+    assert es._grouped is not None and es._grouped._task is not None
+    es._grouped._task.cancel()
+    with pytest.raises(StoreError, match="outcome unknown"):
+        await asyncio.wait_for(first, 5)
+    with pytest.raises(StoreError, match="before the append committed"):
+        await asyncio.wait_for(second, 5)
