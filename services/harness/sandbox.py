@@ -53,6 +53,11 @@ class SandboxLimits(BaseModel):
     max_processes: int | None = Field(default=256, gt=0)
     file_size_bytes: int | None = Field(default=1024**3, gt=0)
     open_files: int | None = Field(default=1024, gt=0)
+    # Everything the sandbox writes together (its working directory, /tmp, home and the command's captured
+    # output): RLIMIT_FSIZE caps one file, not how many. Checked while a command runs, every `disk_check_s`
+    # (less often when counting takes long), and a command found over it is killed.
+    disk_bytes: int | None = Field(default=16 * 1024**3, gt=0)
+    disk_check_s: float = Field(default=2.0, gt=0)
 
 
 class Bind(BaseModel):
@@ -90,10 +95,11 @@ class ExecResult(BaseModel):
     timed_out: bool
     duration_s: float
     truncated: bool = False
+    disk_exceeded: bool = False  # killed because the sandbox's files grew past `SandboxLimits.disk_bytes`
 
     @property
     def ok(self) -> bool:
-        return self.exit_code == 0 and not self.timed_out
+        return self.exit_code == 0 and not self.timed_out and not self.disk_exceeded
 
 
 def _system_ro_paths() -> list[str]:
@@ -425,18 +431,29 @@ class ProcessSandbox:
             timer = threading.Timer(timeout_s, on_deadline)
             timer.daemon = True
             timer.start()
+            over_disk: list[int] = []  # the usage the watch found over the limit
+            watch = None
+            if self.spec.limits.disk_bytes is not None:
+                watch = threading.Thread(target=self._watch_disk, args=(proc.pid, exited, tag, over_disk),
+                                         name=f"disk-watch-{tag}", daemon=True)
+                watch.start()
             proc.wait()
             exited.set()
             timer.cancel()
             if fired.is_set():
                 timer.join()
-            timed_out = fired.is_set()
+            if watch is not None:
+                watch.join()
+            timed_out = fired.is_set() and not over_disk
             self._sweep(tag)
         duration = time.monotonic() - started
         stdout, cut_out = _read_capped(out_path, self.spec.max_output_bytes)
         stderr, cut_err = _read_capped(err_path, self.spec.max_output_bytes)
         for path in (out_path, err_path, in_path):
             path.unlink(missing_ok=True)
+        if over_disk:
+            stderr += (f"\n[sandbox] command killed: the sandbox's files hold {over_disk[0]:,} bytes, over its "
+                       f"limit of {self.spec.limits.disk_bytes:,}; delete some before going on\n")
         return ExecResult(
             exit_code=None if timed_out else proc.returncode,
             stdout=stdout,
@@ -444,7 +461,26 @@ class ProcessSandbox:
             timed_out=timed_out,
             duration_s=duration,
             truncated=cut_out or cut_err,
+            disk_exceeded=bool(over_disk),
         )
+
+    def disk_usage(self) -> int:
+        """Bytes the sandbox's files take on disk: working directory, /tmp, home and captured output."""
+        return sum(_tree_bytes(self.state_dir / name) for name in ("work", *_AREAS, ".exec"))
+
+    def _watch_disk(self, pgid: int, exited: threading.Event, tag: str, over: list[int]) -> None:
+        limit = self.spec.limits.disk_bytes
+        assert limit is not None
+        interval = self.spec.limits.disk_check_s
+        while not exited.wait(interval):
+            began = time.monotonic()
+            used = self.disk_usage()
+            if used > limit:
+                over.append(used)
+                self._kill(pgid, exited, tag)
+                return
+            # Counting a large tree costs CPU: keep it to a tenth of the time at most.
+            interval = max(self.spec.limits.disk_check_s, 10 * (time.monotonic() - began))
 
     def _full_argv(self, argv: list[str], env: Mapping[str, str], cwd: str, gateway: bool, binds: Sequence[Bind], tag: str) -> list[str]:
         inner = [*_drop_privileges_args(self.uid), *_rlimit_args(self.spec.limits), *argv]
@@ -577,6 +613,26 @@ class ProcessSandbox:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _tree_bytes(root: Path) -> int:
+    """Allocated bytes of everything under `root` (symlinks not followed; files vanishing meanwhile skipped)."""
+    total, stack = 0, [str(root)]
+    while stack:
+        try:
+            entries = os.scandir(stack.pop())
+        except OSError:
+            continue
+        with entries:
+            for entry in entries:
+                try:
+                    info = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                total += info.st_blocks * 512
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(entry.path)
+    return total
 
 
 def chown_tree(root: Path, uid: int) -> None:

@@ -167,6 +167,27 @@ def test_file_size_limit_caps_a_large_write(tmp_path: Path, backend: str) -> Non
         box.close(remove=True)
 
 
+def test_a_command_whose_files_outgrow_the_disk_limit_is_killed(tmp_path: Path, backend: str) -> None:
+    """Many files, each under the per-file cap, still hit the sandbox's total."""
+    spec = SandboxSpec(workdir="/app", limits=SandboxLimits(disk_bytes=8 * 1024**2, disk_check_s=0.2),
+                       kill_grace_s=0.5)
+    box = ProcessSandbox(tmp_path / "disk", spec, backend=backend)  # type: ignore[arg-type]
+    try:
+        small = box.exec("head -c 2M /dev/urandom > small.bin && sleep 1", timeout_s=60)
+        assert small.ok and not small.disk_exceeded
+        grown = box.exec("for i in $(seq 100); do head -c 1M /dev/urandom > /tmp/f$i; sleep 0.05; done; sleep 30",
+                         timeout_s=60)
+        assert grown.disk_exceeded and not grown.ok and not grown.timed_out
+        assert grown.duration_s < 30, "killed when found over the limit, not at the timeout"
+        assert "over its limit of 8,388,608" in grown.stderr
+        assert not box.host_path("/tmp/f100").exists(), "the writes stopped when the command was killed"
+        assert processes_of_uid(box.uid) == []
+        cleaned = box.exec("rm -f /tmp/f* && sleep 1", timeout_s=60)
+        assert cleaned.ok, "a command that frees space runs"
+    finally:
+        box.close(remove=True)
+
+
 def test_output_is_capped_keeping_head_and_tail(tmp_path: Path, backend: str) -> None:
     spec = SandboxSpec(workdir="/app", max_output_bytes=4096)
     box = ProcessSandbox(tmp_path / "out", spec, backend=backend)  # type: ignore[arg-type]
