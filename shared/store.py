@@ -124,9 +124,6 @@ _APPEND = """
     SELECT inserted.position FROM inserted CROSS JOIN (SELECT pg_notify(%(channel)s, '')) AS woken
     ORDER BY inserted.position
 """
-_INSERT_BLOB = (
-    "INSERT INTO blobs (digest, size, media_type, data) VALUES (%s, %s, %s, %b) ON CONFLICT (digest) DO NOTHING"
-)
 
 
 def _blob_params(blobs: Sequence[tuple[bytes, str]]) -> dict[str, Any]:
@@ -291,9 +288,8 @@ class Transaction:
         self._pending.append((list(events), expected_version))
 
     async def put_blob(self, data: bytes, media_type: str = "application/octet-stream") -> BlobRef:
-        ref = blob_ref(data, media_type)
-        await (await _driver(self.connection)).execute(_INSERT_BLOB, (ref.digest, ref.size, media_type, data))
-        return ref
+        await (await _driver(self.connection)).execute(_INSERT_BLOBS, _blob_params([(data, media_type)]))
+        return blob_ref(data, media_type)
 
     async def mark_processed(self, consumer: str, event_id: uuid.UUID) -> bool:
         """Record that `consumer` handled the event; False if it already had (the effect must be skipped)."""
@@ -500,9 +496,8 @@ class EventStore:
                 return await self._put_blob(conn, data, media_type)
 
     async def _put_blob(self, conn: AsyncConnection, data: bytes, media_type: str) -> BlobRef:
-        ref = blob_ref(data, media_type)
-        await (await _driver(conn)).execute(_INSERT_BLOB, (ref.digest, ref.size, media_type, data))
-        return ref
+        await (await _driver(conn)).execute(_INSERT_BLOBS, _blob_params([(data, media_type)]))
+        return blob_ref(data, media_type)
 
     async def get_blob(self, ref: BlobRef | str) -> bytes:
         digest = ref.digest if isinstance(ref, BlobRef) else ref
