@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shared.tokens import decode_arrays, encode_arrays
+from shared.tokens import TokenBuffer, decode_arrays, encode_arrays
 
 CALL_RECORD_MEDIA_TYPE = "application/x-gyre-call-record"
 # Response header by which the gateway tells a client the index its call was recorded under. An agent that
@@ -77,9 +77,14 @@ class CallRecord:
 
 @dataclass
 class ExecutionSequences:
-    """Materialises full call sequences from delta records, in call order (a pure helper)."""
+    """Materialises full call sequences from delta records, in call order (a pure helper).
+
+    A call that extends the whole of its parent's sequence shares the parent's buffer (`TokenBuffer`), so a
+    long execution's sequences take about the memory of its longest one, not the sum of all of them.
+    """
 
     sequences: list[np.ndarray] = field(default_factory=list)
+    buffers: list[TokenBuffer] = field(default_factory=list)  # the buffer each sequence is a view of
 
     def add(self, record: CallRecord) -> np.ndarray:
         if record.call_index != len(self.sequences):
@@ -89,7 +94,8 @@ class ExecutionSequences:
         if record.parent_call_index is None:
             if record.parent_prefix_len != 0:
                 raise CallRecordError(f"call {record.call_id}: prefix length without a parent")
-            prefix = np.zeros(0, dtype=np.int32)
+            buffer = TokenBuffer.of(record.tokens.new_prompt, record.tokens.completion)
+            seq = buffer.view()
         else:
             if not 0 <= record.parent_call_index < len(self.sequences):
                 raise CallRecordError(
@@ -100,9 +106,11 @@ class ExecutionSequences:
                 raise CallRecordError(
                     f"call {record.call_id}: prefix {record.parent_prefix_len} longer than parent ({len(parent)})"
                 )
-            prefix = parent[: record.parent_prefix_len]
-        seq = np.concatenate([prefix, record.tokens.new_prompt, record.tokens.completion]).astype(np.int32)
+            buffer, seq = self.buffers[record.parent_call_index].extended(
+                record.parent_prefix_len, record.tokens.new_prompt, record.tokens.completion
+            )
         self.sequences.append(seq)
+        self.buffers.append(buffer)
         return seq
 
 

@@ -68,3 +68,66 @@ def decode_arrays(blob: bytes) -> list[np.ndarray]:
     if offset != len(raw):
         raise TokenCodecError(f"token blob has {len(raw) - offset} trailing bytes")
     return out
+
+
+class TokenBuffer:
+    """An append-only int32 sequence whose prefixes are handed out as read-only views.
+
+    An agent's calls each resend the whole context, so each call's prompt extends the one before; kept as
+    copies, an execution of hundreds of calls over a million tokens holds hundreds of millions of ids. Kept as
+    views of one buffer that only grows, it holds each id once (about twice, with the doubling). Appending never
+    changes what an earlier view shows: it writes past every view, and a buffer that must grow moves to a new
+    array while the earlier views keep the old one.
+    """
+
+    __slots__ = ("_data", "_len")
+
+    def __init__(self, capacity: int = 0) -> None:
+        self._data = np.empty(max(capacity, 16), dtype=np.int32)
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    @property
+    def nbytes(self) -> int:
+        """The memory it holds (its capacity), not counting earlier arrays that views still keep."""
+        return int(self._data.nbytes)
+
+    @classmethod
+    def of(cls, *parts: np.ndarray | Sequence[int]) -> TokenBuffer:
+        arrays = [np.asarray(p, dtype=np.int32) for p in parts]
+        buffer = cls(sum(len(a) for a in arrays))
+        buffer.append(*arrays)
+        return buffer
+
+    def view(self, n: int | None = None) -> np.ndarray:
+        """The first `n` ids (all of them by default), read-only."""
+        n = self._len if n is None else n
+        if not 0 <= n <= self._len:
+            raise ValueError(f"view of {n} ids from a buffer of {self._len}")
+        out = self._data[:n]
+        out.flags.writeable = False
+        return out
+
+    def append(self, *parts: np.ndarray | Sequence[int]) -> np.ndarray:
+        """Append `parts` in order; returns the view of the whole sequence."""
+        arrays = [np.asarray(p, dtype=np.int32) for p in parts]
+        end = self._len + sum(len(a) for a in arrays)
+        if end > len(self._data):
+            grown = np.empty(max(end, 2 * len(self._data)), dtype=np.int32)
+            grown[: self._len] = self._data[: self._len]
+            self._data = grown
+        for a in arrays:
+            self._data[self._len : self._len + len(a)] = a
+            self._len += len(a)
+        return self.view()
+
+    def extended(self, n: int, *parts: np.ndarray | Sequence[int]) -> tuple[TokenBuffer, np.ndarray]:
+        """Its first `n` ids followed by `parts`: appended here when `n` is its whole length, else in a new
+        buffer (the ids past `n` may be in views someone holds). Returns the buffer that holds the result and
+        the result's view."""
+        if n == self._len:
+            return self, self.append(*parts)
+        buffer = TokenBuffer.of(self._data[:n], *parts)
+        return buffer, buffer.view()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from functools import cached_property
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -39,17 +40,21 @@ class ChatMessage(_Frozen):
             ]
         return out
 
-    def key(self) -> str:
-        """A canonical text for comparing an echoed message with the one we produced.
+    @cached_property
+    def digest(self) -> bytes:
+        """Identifies the message for comparing an echoed message with the one we produced.
 
-        Surrounding whitespace of the text is ignored because harnesses commonly strip it when echoing.
+        Surrounding whitespace of the text is ignored because harnesses commonly strip it when echoing. Computed
+        once per message: an hour-long execution's request carries every earlier message again.
         """
-        body = {
-            "r": self.role,
-            "c": self.content.strip(),
-            "t": [[c.name, c.arguments] for c in self.tool_calls],
-        }
-        return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        h = hashlib.sha256()
+        for part in (self.role.encode(), self.content.strip().encode("utf-8", "surrogatepass")):
+            h.update(len(part).to_bytes(8, "little"))
+            h.update(part)
+        if self.tool_calls:
+            calls = [[c.name, c.arguments] for c in self.tool_calls]
+            h.update(json.dumps(calls, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode())
+        return h.digest()
 
 
 class ToolSpec(_Frozen):
@@ -95,14 +100,21 @@ class Conversation(_Frozen):
         system = self.messages[0].content if self.messages and self.messages[0].role == "system" else ""
         return _digest(self.tools_key() + "\x00" + system)
 
-    def prefix_keys(self) -> list[str]:
+    def prefix_keys(self) -> tuple[str, ...]:
         """prefix_keys()[i] identifies (tools, messages[:i]); index 0 is the tools alone."""
+        return self._prefix_keys
+
+    @cached_property
+    def _prefix_keys(self) -> tuple[str, ...]:
         keys = [self.tools_key()]
-        running = hashlib.sha256(keys[0].encode())
         for message in self.messages:
-            running.update(b"\x1e" + message.key().encode())
-            keys.append(running.copy().hexdigest())
-        return keys
+            keys.append(next_prefix_key(keys[-1], message))
+        return tuple(keys)
+
+
+def next_prefix_key(key: str, message: ChatMessage) -> str:
+    """The prefix key of a conversation whose prefix key is `key`, extended by `message`."""
+    return hashlib.sha256(key.encode() + b"\x1e" + message.digest).hexdigest()
 
 
 def _digest(text: str) -> str:

@@ -98,7 +98,7 @@ class GatewayCore:
         return self.executions.setdefault(execution_id, ExecutionState())
 
     def count_tokens(self, execution_id: str, parsed: ParsedRequest) -> int:
-        return len(self._state(execution_id).tito.plan(parsed.conversation, self.codec).prompt)
+        return self._state(execution_id).tito.prompt_len(parsed.conversation, self.codec)
 
     def note_refusal(self, execution_id: str, exc: ApiError) -> None:
         """Remember a refused call (the HTTP layer calls this for every error answer it sends).

@@ -30,7 +30,7 @@ from shared.events import (
     stream_id_for,
 )
 from shared.store import blob_ref
-from shared.tokens import digest_of
+from shared.tokens import TokenBuffer, digest_of
 
 Api = Literal["anthropic", "openai", "internal"]
 
@@ -74,10 +74,15 @@ class Placement:
 
 @dataclass
 class ExecutionLog:
-    """The full sequences of an execution's recorded calls, for choosing each new call's parent (pure)."""
+    """The full sequences of an execution's recorded calls, for choosing each new call's parent (pure).
+
+    A call that extends the whole of its parent's sequence shares the parent's buffer, so an execution's log
+    holds about as many ids as its longest sequence (times its forks), not the sum over its calls.
+    """
 
     sequences: list[np.ndarray] = field(default_factory=list)
     prompt_lens: list[int] = field(default_factory=list)
+    buffers: list[TokenBuffer] = field(default_factory=list)  # the buffer each sequence is a view of
 
     def place(self, prompt: np.ndarray, *, new_chain: bool = False) -> Placement:
         prompt = np.asarray(prompt, dtype=np.int32)
@@ -106,7 +111,14 @@ class ExecutionLog:
     def add(self, placement: Placement, prompt: np.ndarray, completion: np.ndarray) -> None:
         if placement.call_index != len(self.sequences):
             raise ValueError(f"expected call_index {len(self.sequences)}, got {placement.call_index}")
-        self.sequences.append(np.concatenate([prompt, completion]).astype(np.int32))
+        parent, shared = placement.parent_call_index, placement.parent_prefix_len
+        if parent is None:
+            buffer = TokenBuffer.of(prompt, completion)
+            seq = buffer.view()
+        else:
+            buffer, seq = self.buffers[parent].extended(shared, prompt[shared:], completion)
+        self.sequences.append(seq)
+        self.buffers.append(buffer)
         self.prompt_lens.append(len(prompt))
 
     @classmethod
@@ -115,8 +127,8 @@ class ExecutionLog:
         log = cls()
         seqs = ExecutionSequences()
         for record in sorted(records, key=lambda r: r.call_index):
-            seq = seqs.add(record)
-            log.sequences.append(seq)
+            log.sequences.append(seqs.add(record))
+            log.buffers.append(seqs.buffers[-1])
             log.prompt_lens.append(record.prompt_len)
         return log
 

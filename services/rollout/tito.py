@@ -14,7 +14,8 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-from services.rollout.conversation import ChatMessage, Conversation
+from services.rollout.conversation import ChatMessage, Conversation, next_prefix_key
+from shared.tokens import TokenBuffer
 
 AnchorKind = Literal["request", "response"]
 
@@ -44,9 +45,14 @@ class Anchor:
     key: str  # Conversation.prefix_keys()[n_messages]
     n_messages: int
     text: str
-    tokens: np.ndarray
+    buffer: TokenBuffer  # `tokens` is a view of its start; a prompt that extends all of it shares it
+    n_tokens: int
     chain_id: str
     kind: AnchorKind
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self.buffer.view(self.n_tokens)
 
 
 @dataclass(frozen=True)
@@ -54,7 +60,8 @@ class PromptPlan:
     """The prompt for one request and what it reused; `commit` turns it into anchors after generation."""
 
     conversation: Conversation
-    prompt: np.ndarray  # int32 ids: anchor tokens ⊕ rendered new messages ⊕ generation prompt
+    prompt: np.ndarray  # int32 ids: anchor tokens ⊕ rendered new messages ⊕ generation prompt (read-only)
+    buffer: TokenBuffer  # `prompt` is a view of its start
     prompt_text: str  # render(conversation, add_generation_prompt=True)
     conversation_text: str  # render(conversation, add_generation_prompt=False)
     conversation_len: int  # ids standing for conversation_text (prompt minus the generation prompt)
@@ -80,6 +87,39 @@ class TitoState:
 
     def plan(self, conversation: Conversation, codec: ChatCodec) -> PromptPlan:
         """Build the prompt ids for `conversation`; pure with respect to this state (nothing is stored)."""
+        anchor, prompt_text, conversation_text, middle, generation_prompt = self._parts(conversation, codec)
+        chain_key = conversation.chain_key()
+        if anchor is not None:
+            chain_id = anchor.chain_id
+            # Appended in place when nothing was planned from the anchor's buffer since (the usual case); the
+            # state's views end before what is appended, so this stores nothing they show.
+            buffer, prompt = anchor.buffer.extended(anchor.n_tokens, middle, generation_prompt)
+        else:
+            chain_id = self.chains.get(chain_key) or ("main" if not self.chains else f"chain-{len(self.chains)}")
+            buffer = TokenBuffer.of(middle, generation_prompt)
+            prompt = buffer.view()
+        return PromptPlan(
+            conversation=conversation,
+            prompt=prompt,
+            buffer=buffer,
+            prompt_text=prompt_text,
+            conversation_text=conversation_text,
+            conversation_len=len(prompt) - len(generation_prompt),
+            reused=anchor,
+            chain_id=chain_id,
+            chain_key=chain_key,
+        )
+
+    def prompt_len(self, conversation: Conversation, codec: ChatCodec) -> int:
+        """How many ids `plan` would give `conversation` (without building them)."""
+        anchor, _, _, middle, generation_prompt = self._parts(conversation, codec)
+        return (anchor.n_tokens if anchor is not None else 0) + len(middle) + len(generation_prompt)
+
+    def _parts(
+        self, conversation: Conversation, codec: ChatCodec
+    ) -> tuple[Anchor | None, str, str, np.ndarray, np.ndarray]:
+        """The anchor a prompt reuses, the prompt's and the conversation's text, and the ids of what follows the
+        anchor: the new messages, then the generation prompt."""
         if not conversation.messages:
             raise ValueError("a conversation needs at least one message")
         prompt_text = codec.render(conversation, add_generation_prompt=True)
@@ -88,7 +128,11 @@ class TitoState:
             raise TemplateNotIncremental("the generation prompt does not extend the rendered conversation")
         anchor = self._longest_anchor(conversation)
         prefix_text = ""
-        if anchor is not None:
+        if anchor is not None and conversation_text.startswith(anchor.text):
+            # The usual case, an agent resending what it was sent and answered: the anchor's ids stand for
+            # exactly the start of this conversation's text, so the new text is the rest.
+            prefix_text = anchor.text
+        elif anchor is not None:
             # Messages match the anchor's by value (an echo may differ in surrounding whitespace), so the new
             # text is what this conversation renders after its own first n messages.
             head = Conversation(messages=conversation.messages[: anchor.n_messages], tools=conversation.tools)
@@ -97,24 +141,9 @@ class TitoState:
                 # The template renders those messages differently in this context; reuse nothing rather
                 # than splice mismatched text.
                 anchor, prefix_text = None, ""
-        base = anchor.tokens if anchor is not None else np.zeros(0, dtype=np.int32)
         middle = _ids(codec.encode(conversation_text[len(prefix_text) :]))
         generation_prompt = _ids(codec.encode(prompt_text[len(conversation_text) :]))
-        chain_key = conversation.chain_key()
-        if anchor is not None:
-            chain_id = anchor.chain_id
-        else:
-            chain_id = self.chains.get(chain_key) or ("main" if not self.chains else f"chain-{len(self.chains)}")
-        return PromptPlan(
-            conversation=conversation,
-            prompt=np.concatenate([base, middle, generation_prompt]).astype(np.int32),
-            prompt_text=prompt_text,
-            conversation_text=conversation_text,
-            conversation_len=len(base) + len(middle),
-            reused=anchor,
-            chain_id=chain_id,
-            chain_key=chain_key,
-        )
+        return anchor, prompt_text, conversation_text, middle, generation_prompt
 
     def commit(
         self,
@@ -133,7 +162,8 @@ class TitoState:
                 key=keys[n],
                 n_messages=n,
                 text=plan.conversation_text,
-                tokens=plan.prompt[: plan.conversation_len],
+                buffer=plan.buffer,
+                n_tokens=plan.conversation_len,
                 chain_id=plan.chain_id,
                 kind="request",
             )
@@ -154,13 +184,14 @@ class TitoState:
             if len(completion) and int(completion[-1]) == codec.end_of_turn_id
             else np.array([codec.end_of_turn_id], dtype=np.int32)
         )
-        tokens = np.concatenate([plan.prompt, completion, closing, _ids(codec.encode(glue))]).astype(np.int32)
+        buffer, tokens = plan.buffer.extended(len(plan.prompt), completion, closing, _ids(codec.encode(glue)))
         self._put(
             Anchor(
-                key=extended.prefix_keys()[n + 1],
+                key=next_prefix_key(keys[n], reply),
                 n_messages=n + 1,
                 text=text,
-                tokens=tokens,
+                buffer=buffer,
+                n_tokens=len(tokens),
                 chain_id=plan.chain_id,
                 kind="response",
             )

@@ -171,3 +171,52 @@ def test_anchor_memory_is_bounded() -> None:
     conv = Conversation(messages=(ChatMessage(role="user", content="x"),))
     _run_turns(state, log, conv, [f"r{i}" for i in range(6)], [f"u{i}" for i in range(6)])
     assert len(state.anchors) == 4
+
+
+def test_a_long_conversation_holds_its_ids_once_not_once_a_call() -> None:
+    state, log = TitoState(), ExecutionLog()
+    conv = Conversation(messages=(ChatMessage(role="user", content="start"),))
+    plans, _ = _run_turns(state, log, conv, [" ".join([f"reply {i}"] * 5) for i in range(30)],
+                           [" ".join([f"result {i}"] * 20) for i in range(30)])
+    # Every anchor and every logged sequence is a view of one buffer per side (the prompt resent in full by
+    # every call is stored once), and each still shows exactly what it stood for.
+    assert len({id(a.buffer) for a in state.anchors.values()}) == 1
+    assert len({id(b) for b in log.buffers}) == 1
+    for i, (plan, _) in enumerate(plans):
+        assert np.array_equal(log.sequences[i][: len(plan.prompt)], plan.prompt)
+    last = plans[-1][0]
+    assert np.array_equal(last.prompt, np.asarray(CODEC.encode(last.prompt_text), dtype=np.int32))
+
+
+def test_counting_tokens_and_an_uncommitted_plan_leave_the_next_prompt_unchanged() -> None:
+    state, log = TitoState(), ExecutionLog()
+    conv = Conversation(messages=(ChatMessage(role="user", content="start"),))
+    _, conv = _run_turns(state, log, conv, ["one", "two"], ["r1", "r2"])
+    expected = np.asarray(CODEC.encode(CODEC.render(conv, add_generation_prompt=True)), dtype=np.int32)
+    assert state.prompt_len(conv, CODEC) == len(expected)
+    abandoned = state.plan(conv, CODEC)  # its call failed: never committed
+    assert np.array_equal(abandoned.prompt, expected)
+    retried = state.plan(conv, CODEC)  # appended past the abandoned plan's ids, so it gets a buffer of its own
+    assert np.array_equal(retried.prompt, expected) and np.array_equal(abandoned.prompt, expected)
+    completion = _generate("three")
+    state.commit(retried, completion=completion, reply=reply_message("three"), codec=CODEC)
+    nxt = Conversation(messages=conv.messages + (reply_message("three"), ChatMessage(role="user", content="r3")))
+    plan = state.plan(nxt, CODEC)
+    assert np.array_equal(plan.prompt[: len(expected) + len(completion)], np.concatenate([expected, completion]))
+    assert np.array_equal(plan.prompt, np.asarray(CODEC.encode(plan.prompt_text), dtype=np.int32))
+
+
+def test_the_long_context_benchmark_runs_and_shares_memory() -> None:
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "bench/gateway_context.py", "--at", "3,6", "--user-words", "200"],
+                         cwd=root, capture_output=True, text=True, timeout=300, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "gateway_context" and [p["turn"] for p in result["points"]] == [3, 6]
+    assert result["points"][0]["prompt_tokens"] < result["prompt_tokens"]
+    # Six calls over one buffer per side hold less than the six copies the old layout kept.
+    assert 0 < result["held_mb"] < result["as_copies_mb"]
