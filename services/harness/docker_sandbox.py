@@ -21,6 +21,9 @@ from services.harness.sandbox import (
 )
 
 DEFAULT_IMAGE = "python:3.11-slim"
+# Every container carries the folder its sandbox's state lives in (the harness's work folder), so a restarted
+# harness finds the containers its crashed predecessor left running and removes them before it grades.
+ROOT_LABEL = "gyre.sandbox-root"
 
 
 def docker_engine_available(timeout_s: float = 10.0) -> bool:
@@ -32,6 +35,27 @@ def docker_engine_available(timeout_s: float = 10.0) -> bool:
     except (OSError, subprocess.TimeoutExpired):
         return False
     return probe.returncode == 0 and bool(probe.stdout.strip())
+
+
+def sweep_orphan_containers(root: Path | str, timeout_s: float = 60.0) -> list[str]:
+    """Remove every container of a sandbox under `root` (running or not); returns their ids.
+
+    Killing a harness does not stop the containers of the commands it was running: they go on writing into
+    the executions' state folders, which the restarted harness grades, and they keep the names its next
+    commands would take. Call it before anything under `root` runs again.
+    """
+    if shutil.which("docker") is None:
+        return []
+    label = f"label={ROOT_LABEL}={Path(root).resolve()}"
+    try:
+        listed = subprocess.run(["docker", "ps", "-aq", "--filter", label], capture_output=True, text=True,
+                                timeout=timeout_s)
+        ids = listed.stdout.split() if listed.returncode == 0 else []
+        if ids:
+            subprocess.run(["docker", "rm", "-f", *ids], capture_output=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return ids
 
 
 class DockerSandbox(ProcessSandbox):
@@ -58,6 +82,7 @@ class DockerSandbox(ProcessSandbox):
     def _full_argv(self, argv: list[str], env: Mapping[str, str], cwd: str, gateway: bool, binds: Sequence[Bind], tag: str) -> list[str]:
         limits = self.spec.limits
         args = ["docker", "run", "--rm", "--name", self._container(tag), "--network", "none", "--init"]
+        args += ["--label", f"{ROOT_LABEL}={self.state_dir.resolve().parent}"]
         args += ["--user", f"{self.uid}:{self.uid}", "--cap-drop", "ALL", "--security-opt", "no-new-privileges", "--read-only"]
         if limits.max_processes is not None:
             args += ["--pids-limit", str(limits.max_processes)]

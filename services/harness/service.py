@@ -93,6 +93,12 @@ class HarnessService(Service):
             swept = await asyncio.to_thread(UID_POOL.sweep_orphans)
             if swept:
                 self.log.warning("orphaned_sandboxes_killed", uids=swept)
+        if self.h.backend == "docker":  # containers outlive the harness that started them
+            from services.harness.docker_sandbox import sweep_orphan_containers
+
+            removed = await asyncio.to_thread(sweep_orphan_containers, self.h.work_dir)
+            if removed:
+                self.log.warning("orphaned_containers_removed", containers=removed)
         await self.recover()
         self.on(["query.dispatched"], self.dispatch)
 

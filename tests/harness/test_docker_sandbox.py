@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -49,3 +53,57 @@ def test_unavailable_engine_is_a_named_error(tmp_path: Path, monkeypatch: pytest
     monkeypatch.setattr("services.harness.docker_sandbox.docker_engine_available", lambda: False)
     with pytest.raises(SandboxUnavailableError, match="no Docker engine"):
         DockerSandbox(tmp_path / "x")
+
+
+def _fake_docker(bin_dir: Path, log: Path, listed: str) -> None:
+    """A `docker` client that records its arguments and lists `listed` for `docker ps`."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    script = bin_dir / "docker"
+    script.write_text(f'#!/bin/sh\necho "$@" >> {log}\nif [ "$1" = ps ]; then printf "{listed}"; fi\n')
+    script.chmod(0o755)
+
+
+def test_containers_carry_their_root_and_a_restart_removes_them(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.harness.docker_sandbox import ROOT_LABEL, sweep_orphan_containers
+
+    log = tmp_path / "docker.log"
+    _fake_docker(tmp_path / "bin", log, "c0ffee\\nbadd1e\\n")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    monkeypatch.setattr("services.harness.docker_sandbox.docker_engine_available", lambda: True)
+    root = tmp_path / "executions"
+    box = DockerSandbox(root / "exec-1", SandboxSpec(workdir="/app"))
+    argv = box._full_argv(["true"], {}, "/app", False, [], "t1")
+    assert argv[argv.index("--label") + 1] == f"{ROOT_LABEL}={root.resolve()}"
+
+    assert sweep_orphan_containers(root) == ["c0ffee", "badd1e"]
+    calls = log.read_text().splitlines()
+    assert calls[0] == f"ps -aq --filter label={ROOT_LABEL}={root.resolve()}"
+    assert calls[1] == "rm -f c0ffee badd1e"
+
+
+def test_sweeping_with_nothing_left_removes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.harness.docker_sandbox import sweep_orphan_containers
+
+    log = tmp_path / "docker.log"
+    _fake_docker(tmp_path / "bin", log, "")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    assert sweep_orphan_containers(tmp_path / "executions") == []
+    assert [line.split()[0] for line in log.read_text().splitlines()] == ["ps"]
+
+
+@needs_docker
+def test_a_container_left_running_is_found_and_removed(tmp_path: Path) -> None:
+    from services.harness.docker_sandbox import sweep_orphan_containers
+
+    box = DockerSandbox(tmp_path / "executions" / "e1", SandboxSpec(workdir="/app"))
+    # A command still running when its harness dies: here it is simply not waited for.
+    threading.Thread(target=box.exec, args=("sleep 600",), kwargs={"timeout_s": 900}, daemon=True).start()
+    deadline = time.monotonic() + 120
+    while not subprocess.run(["docker", "ps", "-q", "--filter", "name=gyre-e1"], capture_output=True,
+                             text=True).stdout.strip():
+        assert time.monotonic() < deadline, "the container never started"
+        time.sleep(0.5)
+    assert sweep_orphan_containers(tmp_path / "executions")
+    assert not subprocess.run(["docker", "ps", "-aq", "--filter", "name=gyre-e1"], capture_output=True,
+                              text=True).stdout.strip()
