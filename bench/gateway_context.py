@@ -47,15 +47,17 @@ class _FixedReplies:
 
 def _held_mb(core: Any, execution_id: str) -> tuple[float, float]:
     """Token memory the gateway holds for one execution (its token-in/token-out anchors, its recorder's log of
-    call sequences and the router's mirror of the worker's history), and what the same would take with every
-    sequence a copy of its own."""
-    anchors = list(core.executions[execution_id].tito.anchors.values())
-    log = core.recorder._logs[execution_id]
-    buffers = {id(b): b for b in [*(a.buffer for a in anchors), *log.buffers]}
-    mirrors = [m.history for (e, _), m in core.router._mirrors.items() if e == execution_id]
-    held = sum(b.nbytes for b in buffers.values()) + sum(h.nbytes for h in mirrors)
-    copies = 4 * (sum(a.n_tokens for a in anchors) + sum(len(s) for s in log.sequences))
-    copies += sum(h.nbytes for h in mirrors)
+    call sequences and the router's mirror of the worker's history): every array their views keep alive, the
+    ones a buffer outgrew included. And what the same would take with every sequence a copy of its own."""
+    anchors = [a.tokens for a in core.executions[execution_id].tito.anchors.values()]
+    sequences = list(core.recorder._logs[execution_id].sequences)
+    mirrors = [a for (e, _), m in core.router._mirrors.items() if e == execution_id for a in (m.prompt, m.completion)]
+    owners = {}
+    for view in [*anchors, *sequences, *mirrors]:
+        owner = view if view.base is None else view.base
+        owners[id(owner)] = owner
+    held = sum(o.nbytes for o in owners.values())
+    copies = sum(v.nbytes for v in [*anchors, *sequences, *mirrors])
     return round(held / 2**20, 3), round(copies / 2**20, 3)
 
 
@@ -78,8 +80,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     from shared.tinymodel import create_tiny_model
 
     rnd = random.Random(0)
-    model_dir = create_tiny_model(Path(tempfile.mkdtemp(prefix="gyre-bench-gw-")) / "model", seed=0)
-    codec = TokenizerCodec.from_model_dir(model_dir)
+    with tempfile.TemporaryDirectory(prefix="gyre-bench-gw-") as work:
+        codec = TokenizerCodec.from_model_dir(create_tiny_model(Path(work) / "model", seed=0))
     reply_text = " ".join(rnd.choice(WORDS) for _ in range(50))
     directory = WorkerDirectory(stale_after_s=1e9)
     directory.update(WorkerStatus(worker_id="w0", cell_id="cell-0", state="active", live_sessions=0, capacity=8,

@@ -127,6 +127,8 @@ class TokenBuffer:
         """Its first `n` ids followed by `parts`: appended here when `n` is its whole length, else in a new
         buffer (the ids past `n` may be in views someone holds). Returns the buffer that holds the result and
         the result's view."""
+        if not 0 <= n <= self._len:
+            raise ValueError(f"cannot extend the first {n} ids of a buffer of {self._len}")
         if n == self._len:
             return self, self.append(*parts)
         buffer = TokenBuffer.of(self._data[:n], *parts)

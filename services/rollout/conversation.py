@@ -8,7 +8,8 @@ from __future__ import annotations
 import hashlib
 import json
 from functools import cached_property
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict
 
@@ -17,6 +18,15 @@ Role = Literal["system", "user", "assistant", "tool"]
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        """A copy without the cached digests and keys (an update would make them stale)."""
+        copy = super().model_copy(update=update, deep=deep)
+        for klass in type(self).__mro__:
+            for name, attr in vars(klass).items():
+                if isinstance(attr, cached_property):
+                    copy.__dict__.pop(name, None)
+        return copy
 
 
 class ToolCall(_Frozen):
@@ -53,7 +63,8 @@ class ChatMessage(_Frozen):
             h.update(part)
         if self.tool_calls:
             calls = [[c.name, c.arguments] for c in self.tool_calls]
-            h.update(json.dumps(calls, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode())
+            h.update(json.dumps(calls, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode(
+                "utf-8", "surrogatepass"))
         return h.digest()
 
 
@@ -118,4 +129,4 @@ def next_prefix_key(key: str, message: ChatMessage) -> str:
 
 
 def _digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()

@@ -80,8 +80,19 @@ def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
 
 @dataclass
 class _Mirror:
+    """What a worker holds of a session: the last prompt sent (the caller's array, not copied: prompts grow to a
+    million ids and the gateway's are read-only views) followed by the completion it generated."""
+
     worker_id: str
-    history: np.ndarray
+    prompt: np.ndarray
+    completion: np.ndarray
+
+    def shared_with(self, prompt: np.ndarray) -> int:
+        """How many leading ids `prompt` shares with the history."""
+        shared = common_prefix_len(self.prompt, prompt)
+        if shared < len(self.prompt):
+            return shared
+        return shared + common_prefix_len(self.completion, prompt[shared:])
 
 
 class Router:
@@ -169,7 +180,7 @@ class Router:
             mirror = self._mirrors.get(key)
             base = 0
             if mirror is not None and mirror.worker_id == worker_id:
-                base = common_prefix_len(mirror.history, prompt)
+                base = mirror.shared_with(prompt)
                 if base == len(prompt):
                     base -= 1  # the engine needs at least one new token to compute
             request = GenerateRequest(
@@ -192,8 +203,7 @@ class Router:
                 continue
             match reply.status:
                 case "ok":
-                    history = np.concatenate([prompt, np.asarray(reply.completion, dtype=np.int32)])
-                    self._mirrors[key] = _Mirror(worker_id, history.astype(np.int32))
+                    self._mirrors[key] = _Mirror(worker_id, prompt, np.asarray(reply.completion, dtype=np.int32))
                     return reply
                 case "moved":
                     assert reply.moved_to is not None

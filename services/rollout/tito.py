@@ -86,7 +86,8 @@ class TitoState:
     chains: dict[str, str] = field(default_factory=dict)  # chain_key -> chain_id
 
     def plan(self, conversation: Conversation, codec: ChatCodec) -> PromptPlan:
-        """Build the prompt ids for `conversation`; pure with respect to this state (nothing is stored)."""
+        """Build the prompt ids for `conversation`. Changes nothing this state shows: the ids may be appended to
+        the anchor's buffer, past every view handed out (a plan never committed makes the next plan copy)."""
         anchor, prompt_text, conversation_text, middle, generation_prompt = self._parts(conversation, codec)
         chain_key = conversation.chain_key()
         if anchor is not None:

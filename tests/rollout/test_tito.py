@@ -220,3 +220,17 @@ def test_the_long_context_benchmark_runs_and_shares_memory() -> None:
     assert result["points"][0]["prompt_tokens"] < result["prompt_tokens"]
     # Six calls over one buffer per side hold less than the six copies the old layout kept.
     assert 0 < result["held_mb"] < result["as_copies_mb"]
+
+
+def test_copies_of_messages_and_conversations_do_not_keep_stale_keys() -> None:
+    hello = ChatMessage(role="user", content="hello")
+    conv = Conversation(messages=(hello,))
+    assert len(conv.prefix_keys()) == 2 and hello.digest  # computed and cached
+    bye = hello.model_copy(update={"content": "bye"})
+    assert bye.digest == ChatMessage(role="user", content="bye").digest != hello.digest
+    longer = conv.model_copy(update={"messages": (hello, bye)})
+    assert longer.prefix_keys() == Conversation(messages=(hello, bye)).prefix_keys()
+    assert len(longer.prefix_keys()) == 3
+    # Surrounding whitespace is not part of a message's identity; a lone surrogate (valid JSON) hashes too.
+    assert ChatMessage(role="user", content=" hello\n").digest == hello.digest
+    assert ChatMessage(role="user", content="\ud800").digest != hello.digest

@@ -254,14 +254,28 @@ def test_deltas_always_rebuild_the_intended_prompt_on_the_worker(steps) -> None:
         directory = WorkerDirectory(stale_after_s=1e9)
         directory.update(worker.status())
         router = Router(directory, workers)
+        sent: list[int] = []
+        send = workers.generate
+
+        async def generate(worker_id, request, delta):  # type: ignore[no-untyped-def]
+            sent.append(request.base_len)
+            return await send(worker_id, request, delta)
+
+        workers.generate = generate  # type: ignore[method-assign]
         history = np.zeros(0, dtype=np.int32)
         for k, (cut, extra) in enumerate(steps):
             keep = int(cut * len(history))  # 1.0 = continue the full history; less = fork inside it
             prompt = np.concatenate([history[:keep], np.asarray(extra, dtype=np.int32)])
+            prompt.flags.writeable = False  # as the gateway's prompts are: the router keeps it without a copy
             reply = await router.generate(execution_id="e", chain_id="main", prompt=prompt,
                                           sampling=SamplingSpec(max_tokens=8), request_id=f"r{k}")
             assert reply.status == "ok"
             assert engine.prompts[-1] == [int(t) for t in prompt]
+            # Only what the worker does not hold is sent: the base is everything shared with its history
+            # (prompt and completion), less the one id the engine must compute.
+            shared = next((i for i, (a, b) in enumerate(zip(history, prompt, strict=False)) if a != b),
+                          min(len(history), len(prompt)))
+            assert sent[-1] == min(shared, len(prompt) - 1)
             history = np.concatenate([prompt, np.asarray(reply.completion, dtype=np.int32)])
 
     asyncio.run(scenario())

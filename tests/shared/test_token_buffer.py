@@ -40,6 +40,9 @@ def test_a_view_is_read_only_and_bounded() -> None:
     with pytest.raises(ValueError):
         buffer.view(4)
     assert buffer.view(2).tolist() == [1, 2]
+    for n in (-1, 4):  # never the unused capacity past the end
+        with pytest.raises(ValueError):
+            buffer.extended(n, [7])
 
 
 def test_a_chain_of_extensions_holds_its_ids_about_once() -> None:
