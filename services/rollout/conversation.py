@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from functools import cached_property
 from collections.abc import Mapping
+from functools import cached_property
 from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict
