@@ -94,8 +94,6 @@ class ExecutionSequences:
         if record.parent_call_index is None:
             if record.parent_prefix_len != 0:
                 raise CallRecordError(f"call {record.call_id}: prefix length without a parent")
-            buffer = TokenBuffer.of(record.tokens.new_prompt, record.tokens.completion)
-            seq = buffer.view()
         else:
             if not 0 <= record.parent_call_index < len(self.sequences):
                 raise CallRecordError(
@@ -106,9 +104,17 @@ class ExecutionSequences:
                 raise CallRecordError(
                     f"call {record.call_id}: prefix {record.parent_prefix_len} longer than parent ({len(parent)})"
                 )
-            buffer, seq = self.buffers[record.parent_call_index].extended(
-                record.parent_prefix_len, record.tokens.new_prompt, record.tokens.completion
-            )
+        return self.extend(record.parent_call_index, record.parent_prefix_len, record.tokens.new_prompt,
+                           record.tokens.completion)
+
+    def extend(self, parent: int | None, prefix_len: int, *parts: np.ndarray) -> np.ndarray:
+        """Add the next call's sequence: the first `prefix_len` ids of call `parent`'s (none without a parent)
+        followed by `parts`. Unchecked: `add` checks a stored record first."""
+        if parent is None:
+            buffer = TokenBuffer.of(*parts)
+            seq = buffer.view()
+        else:
+            buffer, seq = self.buffers[parent].extended(prefix_len, *parts)
         self.sequences.append(seq)
         self.buffers.append(buffer)
         return seq

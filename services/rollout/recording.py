@@ -80,9 +80,16 @@ class ExecutionLog:
     holds about as many ids as its longest sequence (times its forks), not the sum over its calls.
     """
 
-    sequences: list[np.ndarray] = field(default_factory=list)
+    seqs: ExecutionSequences = field(default_factory=ExecutionSequences)
     prompt_lens: list[int] = field(default_factory=list)
-    buffers: list[TokenBuffer] = field(default_factory=list)  # the buffer each sequence is a view of
+
+    @property
+    def sequences(self) -> list[np.ndarray]:
+        return self.seqs.sequences
+
+    @property
+    def buffers(self) -> list[TokenBuffer]:
+        return self.seqs.buffers
 
     def place(self, prompt: np.ndarray, *, new_chain: bool = False) -> Placement:
         prompt = np.asarray(prompt, dtype=np.int32)
@@ -111,24 +118,17 @@ class ExecutionLog:
     def add(self, placement: Placement, prompt: np.ndarray, completion: np.ndarray) -> None:
         if placement.call_index != len(self.sequences):
             raise ValueError(f"expected call_index {len(self.sequences)}, got {placement.call_index}")
-        parent, shared = placement.parent_call_index, placement.parent_prefix_len
-        if parent is None:
-            buffer = TokenBuffer.of(prompt, completion)
-            seq = buffer.view()
-        else:
-            buffer, seq = self.buffers[parent].extended(shared, prompt[shared:], completion)
-        self.sequences.append(seq)
-        self.buffers.append(buffer)
+        shared = placement.parent_prefix_len
+        self.seqs.extend(placement.parent_call_index, shared, np.asarray(prompt[shared:], dtype=np.int32),
+                         np.asarray(completion, dtype=np.int32))
         self.prompt_lens.append(len(prompt))
 
     @classmethod
     def from_records(cls, records: list[CallRecord]) -> ExecutionLog:
         """Rebuild from stored records (a restarted gateway continues an execution's indices and parents)."""
         log = cls()
-        seqs = ExecutionSequences()
         for record in sorted(records, key=lambda r: r.call_index):
-            log.sequences.append(seqs.add(record))
-            log.buffers.append(seqs.buffers[-1])
+            log.seqs.add(record)
             log.prompt_lens.append(record.prompt_len)
         return log
 
