@@ -121,6 +121,7 @@ class GatewayCore:
         state.seed, state.max_calls, state.settled = seed, max_calls, True
         if cell_id is not None:
             self.router.prefer(execution_id, cell_id)
+        self.recorder.prefetch(execution_id)  # the log is read while the agent starts, not at its first call
 
     def call_status(self, execution_id: str) -> dict[str, Any]:
         """What the gateway saw of an execution's calls, from its registration or first call until its end

@@ -227,6 +227,10 @@ class CallRecorder(Protocol):
         """Store the call durably (blob, then events) or raise RecordingFailed; nothing is kept on failure."""
         ...
 
+    def prefetch(self, execution_id: str) -> None:
+        """Start reading what the log holds of the execution, so that its first call does not wait for it."""
+        ...
+
     async def recall(self, execution_id: str) -> ExecutionSoFar:
         """What the log holds of the execution (raises when the log cannot be read)."""
         ...
@@ -240,15 +244,44 @@ class _LoggedRecorder:
         self._clock = clock or (lambda: datetime.now(UTC))
         self._logs: dict[str, ExecutionLog] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._prefetched: dict[str, asyncio.Task[ExecutionLog]] = {}
+
+    def prefetch(self, execution_id: str) -> None:
+        """Read the execution's log in the background (the gateway calls this when the execution is registered,
+        before its agent starts): its first call then finds the log read, not a query to wait for. Outside a
+        running event loop, or when the log is already held or being read, nothing happens."""
+        if execution_id in self._logs or execution_id in self._prefetched:
+            return
+        try:
+            task = asyncio.get_running_loop().create_task(self._load(execution_id), name=f"prefetch-{execution_id}")
+        except RuntimeError:
+            return
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a failure is the first call's to see
+        self._prefetched[execution_id] = task
+
+    async def _log_for(self, execution_id: str) -> ExecutionLog:
+        """The execution's log, read once: from the prefetch when one ran (a failed one is read again)."""
+        log = self._logs.get(execution_id)
+        if log is None:
+            task = self._prefetched.pop(execution_id, None)
+            if task is not None:
+                try:
+                    log = await asyncio.shield(task)  # a call that stops waiting leaves the read to finish
+                except asyncio.CancelledError:
+                    if not task.cancelled():
+                        raise  # this call was cancelled, not the read
+                except Exception:
+                    pass  # read again below: the error, if it persists, is this call's
+            if log is None:
+                log = await self._load(execution_id)
+            self._logs[execution_id] = log
+        return log
 
     async def record(self, call: CompletedCall) -> RecordedCall:
         lock = self._locks.setdefault(call.execution_id, asyncio.Lock())
         async with lock:
             try:
-                log = self._logs.get(call.execution_id)
-                if log is None:
-                    log = await self._load(call.execution_id)
-                    self._logs[call.execution_id] = log
+                log = await self._log_for(call.execution_id)
                 placement = log.place(call.prompt, new_chain=call.new_chain)
                 blob_bytes = call_tokens(call, placement).encode()
                 recorded = await self._persist(call, placement, blob_bytes)
@@ -262,6 +295,9 @@ class _LoggedRecorder:
     def forget(self, execution_id: str) -> None:
         self._logs.pop(execution_id, None)
         self._locks.pop(execution_id, None)
+        task = self._prefetched.pop(execution_id, None)
+        if task is not None:
+            task.cancel()
 
     async def recall(self, execution_id: str) -> ExecutionSoFar:
         return ExecutionSoFar.of(await self._events(execution_id))

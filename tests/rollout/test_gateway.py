@@ -305,6 +305,7 @@ async def test_registration_hands_the_gateway_the_executions_seed_and_call_budge
                             json={"execution_id": "exec-s", "seed": 7, "max_calls": 2, "cell_id": "cell-x"})
         token = r.json()["token"]
         assert stack.core.router.preferred == {"exec-s": "cell-x"}  # the router starts it there if it can
+        assert "exec-s" in stack.recorder._prefetched  # its log is being read before its first call
         client = stack.anthropic(token)
         user = [{"role": "user", "content": "hi"}]
         await client.messages.create(model="tiny", max_tokens=5, messages=user)

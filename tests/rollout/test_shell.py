@@ -127,3 +127,50 @@ async def test_store_recorder_writes_deltas_that_replay_and_resumes_after_restar
                              occurred_at=datetime.now(UTC))], expected_version="any")
     so_far = await StoreCallRecorder(store, run_id="run-t").recall("exec-pg")
     assert so_far.ended and so_far.calls == 3
+
+
+async def test_a_prefetched_log_spares_the_first_call_its_read_and_a_failed_one_is_read_again(store) -> None:
+    """Registration starts reading the execution's log; the first call then uses what was read (one read in
+    all, indices continuing the log's). A prefetch that failed is not trusted: the call reads the log itself."""
+    first = StoreCallRecorder(store, run_id="run-t")
+    p0, c0 = np.arange(10, 40, dtype=np.int32), np.arange(500, 505, dtype=np.int32)
+    await first.record(_call(0, p0, c0))
+
+    reads: list[str] = []
+    restarted = StoreCallRecorder(store, run_id="run-t")
+    load = restarted._load
+
+    async def counted(execution_id: str):
+        reads.append(execution_id)
+        return await load(execution_id)
+
+    restarted._load = counted  # type: ignore[method-assign]
+    restarted.prefetch("exec-pg")
+    restarted.prefetch("exec-pg")  # already being read: no second read
+    await asyncio.sleep(0.2)
+    assert reads == ["exec-pg"]
+    p1 = np.concatenate([p0, c0, np.arange(70, 75, dtype=np.int32)])
+    recorded = await restarted.record(_call(1, p1, np.arange(600, 603, dtype=np.int32)))
+    assert reads == ["exec-pg"] and recorded.placement.call_index == 1 and recorded.placement.parent_call_index == 0
+
+    failing = StoreCallRecorder(store, run_id="run-t")
+    attempts: list[str] = []
+
+    async def flaky(execution_id: str):
+        attempts.append(execution_id)
+        if len(attempts) == 1:
+            raise ConnectionError("postgres went away")
+        return await load(execution_id)
+
+    failing._load = flaky  # type: ignore[method-assign]
+    failing.prefetch("exec-pg")
+    await asyncio.sleep(0.05)
+    p2 = np.concatenate([p1, np.arange(600, 603, dtype=np.int32), np.arange(80, 84, dtype=np.int32)])
+    recorded = await failing.record(_call(2, p2, np.arange(700, 702, dtype=np.int32)))
+    assert len(attempts) == 2 and recorded.placement.call_index == 2
+
+    # An execution that ends before its first call drops its prefetch.
+    ended = StoreCallRecorder(store, run_id="run-t")
+    ended.prefetch("exec-gone")
+    ended.forget("exec-gone")
+    assert ended._prefetched == {}
