@@ -1,11 +1,12 @@
 """Rollout benchmark: the full gateway path vs the same requests sent to the engine directly, and moving a
 long session's KV to another worker vs recomputing its prefill there. Prints a JSON object as its last line.
 
-    nice .venv/bin/python bench/rollout.py [--executions 8 --turns 4 --max-tokens 64 --history-tokens 12000]
+    nice .venv/bin/python bench/rollout.py [--executions 8 --turns 4 --rounds 5 --max-tokens 64 --history-tokens 12000]
 
 Gateway path: anthropic SDK → real HTTP (uvicorn) → token-in/token-out → NATS request/reply → worker →
 vLLM, and every call recorded in PostgreSQL before it returns. Direct path: the exact prompt token ids the
-gateway produced, sent to the same engine with the same sampling and concurrency. NATS and Postgres come from
+gateway produced, sent to the same engine with the same sampling and concurrency. Each round times one window
+of each (fresh executions, empty prefix cache); the figures sum the rounds. NATS and Postgres come from
 GYRE_NATS_URL / GYRE_DATABASE_URL, or are started embedded.
 """
 
@@ -32,6 +33,43 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+async def _recorded_calls(store: Any, execution_ids: list[str]) -> tuple[dict[str, list[np.ndarray]], dict[str, list[list[int]]]]:
+    """Each execution's prompts exactly as the gateway sent them (rebuilt from the recorded deltas) and what the
+    gateway path generated, call by call."""
+    from shared.calls import CallRecord, CallTokens, ExecutionSequences
+
+    prompts: dict[str, list[np.ndarray]] = {}
+    recorded: dict[str, list[list[int]]] = {}
+    for execution_id in execution_ids:
+        seqs = ExecutionSequences()
+        for item in await store.read_stream(f"execution-{execution_id}"):
+            c = item.event.data
+            if getattr(c, "call_index", None) is None or item.event.type != "call.completed":
+                continue
+            tokens = CallTokens.decode(await store.get_blob(c.record))
+            seq = seqs.add(CallRecord(execution_id=c.execution_id, call_id=c.call_id, call_index=c.call_index,
+                                      parent_call_index=c.parent_call_index, parent_prefix_len=c.parent_prefix_len,
+                                      tokens=tokens, policy_version=c.policy_version))
+            prompts.setdefault(c.execution_id, []).append(seq[: c.prompt_tokens])
+            recorded.setdefault(c.execution_id, []).append([int(t) for t in tokens.completion])
+    return prompts, recorded
+
+
+async def _direct(engine: Any, prompts: list[np.ndarray], recorded: list[list[int]], max_tokens: int,
+                  prefix: str) -> tuple[int, int]:
+    """One execution's prompts straight to the engine, one after the other: (tokens generated, calls that
+    generated what the gateway path did)."""
+    from services.rollout.protocol import SamplingSpec
+
+    produced = same = 0
+    for k, prompt in enumerate(prompts):
+        out = await engine.generate([int(t) for t in prompt], SamplingSpec(max_tokens=max_tokens, temperature=0.0),
+                                    f"{prefix}-{k}")
+        produced += len(out.token_ids)
+        same += list(out.token_ids) == recorded[k]
+    return produced, same
+
+
 async def _throughput(args: argparse.Namespace, engine: Any, model_dir: Path, nats_url: str, db_url: str,
                       log: dict[str, Any]) -> tuple[float, float]:
     import anthropic
@@ -48,7 +86,7 @@ async def _throughput(args: argparse.Namespace, engine: Any, model_dir: Path, na
     from services.rollout.transport import NatsWorkerClient, WorkerServer, watch_statuses
     from services.rollout.worker import RolloutWorker
     from shared.bus import Bus
-    from shared.calls import CallTokens, ExecutionSequences, CallRecord
+    from shared.runtime import freeze_startup_heap
     from shared.store import EventStore, run_migrations
 
     schema = "bench_" + uuid.uuid4().hex[:8]
@@ -57,8 +95,7 @@ async def _throughput(args: argparse.Namespace, engine: Any, model_dir: Path, na
     bus = await Bus.connect(nats_url, prefix="bench" + uuid.uuid4().hex[:6])
     directory = WorkerDirectory()
     watcher = await watch_statuses(bus, directory)
-    # Room for the untimed warm-up executions' sessions too (they keep them).
-    worker = RolloutWorker(engine, worker_id="bench-a", cell_id="cell-a", capacity=2 * args.executions)
+    worker = RolloutWorker(engine, worker_id="bench-a", cell_id="cell-a", capacity=args.executions)
     server = await WorkerServer(worker, bus).start()
     while not directory.live():
         await asyncio.sleep(0.02)
@@ -99,53 +136,47 @@ async def _throughput(args: argparse.Namespace, engine: Any, model_dir: Path, na
         # And the gateway path's own first-use costs (HTTP connections, NATS, PostgreSQL's connection pool grown
         # to the concurrency), which the direct path lacks: one untimed turn of as many executions.
         await asyncio.gather(*(agent(f"warm-{i}", client_for(f"warm-{i}"), 1) for i in range(args.executions)))
-        clients = [client_for(i) for i in range(args.executions)]
-        await engine.reset_prefix_cache()
-        started = time.perf_counter()
-        gateway_tokens = sum(await asyncio.gather(*(agent(i, clients[i], args.turns) for i in range(args.executions))))
-        gateway_s = time.perf_counter() - started
 
-        # The exact prompts the gateway sent, rebuilt from the recorded deltas.
-        prompts: dict[str, list[np.ndarray]] = {}
-        recorded: dict[str, list[list[int]]] = {}  # what the gateway path generated, call by call
-        for i in range(args.executions):
-            seqs = ExecutionSequences()
-            for item in await store.read_stream(f"execution-bench-{i}"):
-                c = item.event.data
-                if getattr(c, "call_index", None) is None or item.event.type != "call.completed":
-                    continue
-                tokens = CallTokens.decode(await store.get_blob(c.record))
-                seq = seqs.add(CallRecord(execution_id=c.execution_id, call_id=c.call_id, call_index=c.call_index,
-                                          parent_call_index=c.parent_call_index,
-                                          parent_prefix_len=c.parent_prefix_len, tokens=tokens,
-                                          policy_version=c.policy_version))
-                prompts.setdefault(c.execution_id, []).append(seq[: c.prompt_tokens])
-                recorded.setdefault(c.execution_id, []).append([int(t) for t in tokens.completion])
-        same = 0
+        def end(names: list[str]) -> None:  # as the harness ends an execution: the gateway and the worker forget it
+            for name in names:
+                core.end_execution(f"bench-{name}")
+                worker.end_sessions(f"bench-{name}")
 
-        async def direct(execution_id: str) -> int:
-            nonlocal same
-            produced = 0
-            for k, prompt in enumerate(prompts[execution_id]):
-                out = await engine.generate([int(t) for t in prompt],
-                                            SamplingSpec(max_tokens=args.max_tokens, temperature=0.0),
-                                            f"direct-{execution_id}-{k}")
-                produced += len(out.token_ids)
-                same += list(out.token_ids) == recorded[execution_id][k]
-            return produced
-
-        await engine.reset_prefix_cache()
-        started = time.perf_counter()
-        direct_tokens = sum(await asyncio.gather(*(direct(e) for e in sorted(prompts))))
-        direct_s = time.perf_counter() - started
-        calls = sum(len(p) for p in prompts.values())
+        end([f"warm-{i}" for i in range(args.executions)])
+        freeze_startup_heap()  # as the gateway and worker processes do once set up (shared.runtime)
+        gateway_s = direct_s = 0.0
+        gateway_tokens = direct_tokens = calls = same = 0
+        rounds: list[dict[str, Any]] = []
+        # Rounds alternate the two paths so that both see the same drift in the machine's speed (on a shared
+        # machine a 2-second window's engine speed varies by ±10% from one minute to the next).
+        for rnd in range(args.rounds):
+            names = [f"r{rnd}-{i}" for i in range(args.executions)]
+            clients = [client_for(name) for name in names]
+            await engine.reset_prefix_cache()
+            started = time.perf_counter()
+            g_tokens = sum(await asyncio.gather(*(agent(name, client, args.turns) for name, client in zip(names, clients))))
+            g_s = time.perf_counter() - started
+            prompts, recorded = await _recorded_calls(store, [f"bench-{name}" for name in names])
+            await engine.reset_prefix_cache()
+            started = time.perf_counter()
+            outcomes = await asyncio.gather(*(_direct(engine, prompts[e], recorded[e], args.max_tokens, f"direct-{e}")
+                                              for e in sorted(prompts)))
+            d_s = time.perf_counter() - started
+            d_tokens = sum(produced for produced, _ in outcomes)
+            rounds.append({"gateway_s": round(g_s, 3), "direct_s": round(d_s, 3), "ratio": round(g_s / d_s * d_tokens / g_tokens, 3)})
+            gateway_s, direct_s = gateway_s + g_s, direct_s + d_s
+            gateway_tokens, direct_tokens = gateway_tokens + g_tokens, direct_tokens + d_tokens
+            calls += sum(len(p) for p in prompts.values())
+            same += sum(matched for _, matched in outcomes)
+            end(names)
         # Greedy decoding of the same prompts: the two paths should generate the same tokens (batch composition
         # can flip a near-tie on CPU); a gap here would make the token rates incomparable.
         log.update(gateway_tokens=gateway_tokens, gateway_s=round(gateway_s, 3), direct_tokens=direct_tokens,
                    direct_s=round(direct_s, 3), calls=calls, same_completions=round(same / max(calls, 1), 3),
+                   rounds=rounds,
                    # What the gateway path adds to each turn of every execution (they run concurrently): unlike
                    # the ratio, this does not shrink or grow with the engine's speed.
-                   added_s_per_turn=round((gateway_s - direct_s) / args.turns, 4))
+                   added_s_per_turn=round((gateway_s - direct_s) / (args.turns * args.rounds), 4))
         return direct_tokens / direct_s, gateway_tokens / gateway_s
     finally:
         http.should_exit = True
@@ -257,6 +288,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--executions", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=5, help="gateway and direct windows, alternating")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--history-tokens", type=int, default=12000)
     parser.add_argument("--repeats", type=int, default=3)

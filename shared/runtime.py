@@ -22,6 +22,7 @@ so a redelivered event (crash before ack) is skipped: its effects were applied o
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import signal
 import time
@@ -42,6 +43,19 @@ EventHandler = Callable[[Event, Transaction], Awaitable[None]]
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
+
+
+def freeze_startup_heap() -> int:
+    """Move every object alive now out of the garbage collector's sight (after a collection): returns how many.
+
+    A service's heap after setup is mostly what it imported and loaded (PyTorch, transformers, vLLM's front
+    end: millions of objects) and stays alive for the process's life, yet every full collection walks all of
+    it: measured in the rollout gateway, 100–480 ms with the event loop stopped, every call in flight frozen
+    with it. Frozen, those objects are skipped and full collections walk only what the service made since.
+    What is frozen is never collected, so this runs once, after setup."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 class Service:
@@ -147,11 +161,15 @@ class Service:
             await self.store.close()
         self.log.info("service_stopped", processed=self.processed)
 
-    async def run(self) -> None:
+    async def run(self, *, freeze_heap: bool = False) -> None:
+        """Start, serve until SIGTERM/SIGINT, stop. A process of its own passes `freeze_heap` (see
+        `freeze_startup_heap`); a test running several services in one process does not."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop_event.set)
         await self.start()
+        if freeze_heap:
+            self.log.info("heap_frozen", objects=freeze_startup_heap())
         await self.stop_event.wait()
         await self.stop()
 
@@ -159,7 +177,7 @@ class Service:
     def main(cls) -> None:
         settings = load_settings()
         configure_logging(cls.name, run_id=settings.run_id)
-        asyncio.run(cls(settings).run())
+        asyncio.run(cls(settings).run(freeze_heap=True))
 
     # ---- events ----
 

@@ -224,4 +224,4 @@ def main(argv: list[str] | None = None) -> None:
     settings = load_settings()
     cls = services[role]
     configure_logging(cls.name, run_id=settings.run_id)
-    asyncio.run(cls(settings).run())
+    asyncio.run(cls(settings).run(freeze_heap=True))

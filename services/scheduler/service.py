@@ -252,4 +252,4 @@ def main() -> None:
         service = SchedulerService(settings)
     except (SchedulerConfigError, PlanError) as exc:
         raise SystemExit(f"scheduler: {exc}") from exc
-    asyncio.run(service.run())
+    asyncio.run(service.run(freeze_heap=True))
