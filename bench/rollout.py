@@ -95,7 +95,8 @@ async def _throughput(args: argparse.Namespace, engine: Any, model_dir: Path, na
     bus = await Bus.connect(nats_url, prefix="bench" + uuid.uuid4().hex[:6])
     directory = WorkerDirectory()
     watcher = await watch_statuses(bus, directory)
-    worker = RolloutWorker(engine, worker_id="bench-a", cell_id="cell-a", capacity=args.executions)
+    # Room for a round's sessions while the worker's status still counts the previous round's (ended).
+    worker = RolloutWorker(engine, worker_id="bench-a", cell_id="cell-a", capacity=2 * args.executions)
     server = await WorkerServer(worker, bus).start()
     while not directory.live():
         await asyncio.sleep(0.02)
@@ -169,6 +170,7 @@ async def _throughput(args: argparse.Namespace, engine: Any, model_dir: Path, na
             calls += sum(len(p) for p in prompts.values())
             same += sum(matched for _, matched in outcomes)
             end(names)
+            await asyncio.gather(*(client.close() for client in clients))
         # Greedy decoding of the same prompts: the two paths should generate the same tokens (batch composition
         # can flip a near-tie on CPU); a gap here would make the token rates incomparable.
         log.update(gateway_tokens=gateway_tokens, gateway_s=round(gateway_s, 3), direct_tokens=direct_tokens,

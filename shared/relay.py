@@ -146,7 +146,7 @@ async def run_relay_process() -> None:
 
     settings = load_settings()
     configure_logging("relay", run_id=settings.run_id)
-    await RelayService(settings).run()
+    await RelayService(settings).run(freeze_heap=True)
 
 
 if __name__ == "__main__":

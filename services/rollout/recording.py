@@ -259,14 +259,16 @@ class _LoggedRecorder:
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a failure is the first call's to see
         self._prefetched[execution_id] = task
 
-    async def _log_for(self, execution_id: str) -> ExecutionLog:
-        """The execution's log, read once: from the prefetch when one ran (a failed one is read again)."""
+    async def _log_for(self, execution_id: str, lock: asyncio.Lock) -> ExecutionLog:
+        """The execution's log, read once: from the prefetch when one ran (a failed one is read again). Kept
+        only while the execution is not forgotten meanwhile (`lock` is still its lock): an execution that
+        ended during the read must not leave its log behind."""
         log = self._logs.get(execution_id)
         if log is None:
             task = self._prefetched.pop(execution_id, None)
             if task is not None:
                 try:
-                    log = await asyncio.shield(task)  # a call that stops waiting leaves the read to finish
+                    log = await asyncio.shield(task)  # the read is not cancelled with a call that stops waiting
                 except asyncio.CancelledError:
                     if not task.cancelled():
                         raise  # this call was cancelled, not the read
@@ -274,14 +276,15 @@ class _LoggedRecorder:
                     pass  # read again below: the error, if it persists, is this call's
             if log is None:
                 log = await self._load(execution_id)
-            self._logs[execution_id] = log
+            if self._locks.get(execution_id) is lock:
+                self._logs[execution_id] = log
         return log
 
     async def record(self, call: CompletedCall) -> RecordedCall:
         lock = self._locks.setdefault(call.execution_id, asyncio.Lock())
         async with lock:
             try:
-                log = await self._log_for(call.execution_id)
+                log = await self._log_for(call.execution_id, lock)
                 placement = log.place(call.prompt, new_chain=call.new_chain)
                 blob_bytes = call_tokens(call, placement).encode()
                 recorded = await self._persist(call, placement, blob_bytes)

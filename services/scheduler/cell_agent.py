@@ -464,4 +464,4 @@ class CellAgent(Service):
 def main() -> None:
     settings = load_settings()
     configure_logging(CellAgent.name, run_id=settings.run_id)
-    asyncio.run(CellAgent(settings).run())
+    asyncio.run(CellAgent(settings).run(freeze_heap=True))

@@ -174,3 +174,24 @@ async def test_a_prefetched_log_spares_the_first_call_its_read_and_a_failed_one_
     ended.prefetch("exec-gone")
     ended.forget("exec-gone")
     assert ended._prefetched == {}
+
+
+async def test_an_execution_forgotten_while_its_first_call_waits_for_the_log_does_not_keep_it() -> None:
+    from services.rollout.recording import ExecutionLog, InMemoryCallRecorder
+
+    release = asyncio.Event()
+
+    class SlowLog(InMemoryCallRecorder):
+        async def _load(self, execution_id: str) -> ExecutionLog:
+            await release.wait()
+            return ExecutionLog()
+
+    recorder = SlowLog()
+    recorder.prefetch("exec-pg")
+    call = asyncio.create_task(recorder.record(_call(0, np.arange(10, 20, dtype=np.int32),
+                                                     np.arange(500, 503, dtype=np.int32))))
+    await asyncio.sleep(0.05)
+    recorder.forget("exec-pg")  # the execution ends while its first call waits for the read
+    release.set()
+    await call  # the call itself is recorded (it was answered) ...
+    assert "exec-pg" not in recorder._logs  # ... but the ended execution's log is not kept
