@@ -245,6 +245,9 @@ class _LoggedRecorder:
         self._logs: dict[str, ExecutionLog] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._prefetched: dict[str, asyncio.Task[ExecutionLog]] = {}
+        # The lock of an execution forgotten while one of its calls was being recorded: a registration of the
+        # same execution straight after must not read the log before that call's write has landed.
+        self._ending: dict[str, asyncio.Lock] = {}
 
     def prefetch(self, execution_id: str) -> None:
         """Read the execution's log in the background (the gateway calls this when the execution is registered,
@@ -253,7 +256,7 @@ class _LoggedRecorder:
         if execution_id in self._logs or execution_id in self._prefetched:
             return
         try:
-            task = asyncio.get_running_loop().create_task(self._load(execution_id), name=f"prefetch-{execution_id}")
+            task = asyncio.get_running_loop().create_task(self._read(execution_id), name=f"prefetch-{execution_id}")
         except RuntimeError:
             return
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a failure is the first call's to see
@@ -275,29 +278,47 @@ class _LoggedRecorder:
                 except Exception:
                     pass  # read again below: the error, if it persists, is this call's
             if log is None:
-                log = await self._load(execution_id)
+                log = await self._read(execution_id)
             if self._locks.get(execution_id) is lock:
                 self._logs[execution_id] = log
         return log
 
+    async def _read(self, execution_id: str) -> ExecutionLog:
+        """Read the log, after the writes of calls still in flight when the execution was last forgotten."""
+        ending = self._ending.get(execution_id)
+        if ending is not None:
+            async with ending:
+                pass
+            self._drop_ending(execution_id, ending)
+        return await self._load(execution_id)
+
+    def _drop_ending(self, execution_id: str, lock: asyncio.Lock) -> None:
+        if self._ending.get(execution_id) is lock and not lock.locked():
+            del self._ending[execution_id]
+
     async def record(self, call: CompletedCall) -> RecordedCall:
         lock = self._locks.setdefault(call.execution_id, asyncio.Lock())
-        async with lock:
-            try:
-                log = await self._log_for(call.execution_id, lock)
-                placement = log.place(call.prompt, new_chain=call.new_chain)
-                blob_bytes = call_tokens(call, placement).encode()
-                recorded = await self._persist(call, placement, blob_bytes)
-            except RecordingFailed:
-                raise
-            except Exception as exc:
-                raise RecordingFailed(call.execution_id, exc) from exc
-            log.add(placement, call.prompt, call.completion)
-            return recorded
+        try:
+            async with lock:
+                try:
+                    log = await self._log_for(call.execution_id, lock)
+                    placement = log.place(call.prompt, new_chain=call.new_chain)
+                    blob_bytes = call_tokens(call, placement).encode()
+                    recorded = await self._persist(call, placement, blob_bytes)
+                except RecordingFailed:
+                    raise
+                except Exception as exc:
+                    raise RecordingFailed(call.execution_id, exc) from exc
+                log.add(placement, call.prompt, call.completion)
+                return recorded
+        finally:
+            self._drop_ending(call.execution_id, lock)
 
     def forget(self, execution_id: str) -> None:
         self._logs.pop(execution_id, None)
-        self._locks.pop(execution_id, None)
+        lock = self._locks.pop(execution_id, None)
+        if lock is not None and lock.locked():
+            self._ending[execution_id] = lock  # a call is being recorded: a later read waits for its write
         task = self._prefetched.pop(execution_id, None)
         if task is not None:
             task.cancel()

@@ -147,7 +147,7 @@ class RolloutWorker:
                     detail=f"session holds {len(session.history)} tokens; base of {request.base_len} does not match",
                     **ids,
                 )
-            prompt = np.concatenate([session.history[: request.base_len], delta]).astype(np.int32)
+            prompt = np.concatenate([session.history[: request.base_len], delta], dtype=np.int32)
             if len(prompt) + request.sampling.max_tokens > self.engine.max_model_len:
                 return GenerateReply(
                     status="error",
@@ -156,7 +156,7 @@ class RolloutWorker:
                     **ids,
                 )
             out, version = await self._engine_call(prompt, request.sampling, request.request_id)
-            session.history = np.concatenate([prompt, np.asarray(out.token_ids, dtype=np.int32)]).astype(np.int32)
+            session.history = np.concatenate([prompt, np.asarray(out.token_ids, dtype=np.int32)], dtype=np.int32)
         return GenerateReply(
             status="ok",
             completion=out.token_ids,

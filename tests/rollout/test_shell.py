@@ -195,3 +195,28 @@ async def test_an_execution_forgotten_while_its_first_call_waits_for_the_log_doe
     release.set()
     await call  # the call itself is recorded (it was answered) ...
     assert "exec-pg" not in recorder._logs  # ... but the ended execution's log is not kept
+
+
+async def test_a_registration_straight_after_an_end_reads_the_log_after_the_write_in_flight(store) -> None:
+    """An execution ended (forgotten) while a call of it is being written, then registered again: the new read
+    waits for that write, so the next call continues the log instead of reusing its index."""
+    release = asyncio.Event()
+
+    class SlowWrite(StoreCallRecorder):
+        async def _persist(self, call, placement, blob):
+            await release.wait()
+            return await super()._persist(call, placement, blob)
+
+    recorder = SlowWrite(store, run_id="run-t")
+    p0, c0 = np.arange(10, 40, dtype=np.int32), np.arange(500, 505, dtype=np.int32)
+    first = asyncio.create_task(recorder.record(_call(0, p0, c0)))
+    await asyncio.sleep(0.05)
+    recorder.forget("exec-pg")  # ended while call 0 is being written ...
+    recorder.prefetch("exec-pg")  # ... and registered again at once
+    await asyncio.sleep(0.1)
+    release.set()
+    await first
+    p1 = np.concatenate([p0, c0, np.arange(70, 75, dtype=np.int32)])
+    recorded = await recorder.record(_call(1, p1, np.arange(600, 603, dtype=np.int32)))
+    assert recorded.placement.call_index == 1 and recorded.placement.parent_call_index == 0
+    assert recorder._ending == {}
