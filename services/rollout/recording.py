@@ -265,7 +265,11 @@ class _LoggedRecorder:
     async def _log_for(self, execution_id: str, lock: asyncio.Lock) -> ExecutionLog:
         """The execution's log, read once: from the prefetch when one ran (a failed one is read again). Kept
         only while the execution is not forgotten meanwhile (`lock` is still its lock): an execution that
-        ended during the read must not leave its log behind."""
+        ended during the read must not leave its log behind. A call that was already waiting when its execution
+        was forgotten reads the log itself: what is held or being read now belongs to a later registration,
+        whose read waits for this call."""
+        if self._locks.get(execution_id) is not lock:
+            return await self._load(execution_id)
         log = self._logs.get(execution_id)
         if log is None:
             task = self._prefetched.pop(execution_id, None)

@@ -220,3 +220,33 @@ async def test_a_registration_straight_after_an_end_reads_the_log_after_the_writ
     recorded = await recorder.record(_call(1, p1, np.arange(600, 603, dtype=np.int32)))
     assert recorded.placement.call_index == 1 and recorded.placement.parent_call_index == 0
     assert recorder._ending == {}
+
+
+async def test_calls_queued_when_their_execution_ends_do_not_stall_its_next_registration(store) -> None:
+    """Two calls of one execution in the recorder when it ends (the first being written, the second waiting
+    for it), then a registration at once: the waiting call reads the log itself rather than take the new
+    registration's read (which waits for it), and the next call continues after both."""
+    release = asyncio.Event()
+
+    class SlowWrite(StoreCallRecorder):
+        async def _persist(self, call, placement, blob):
+            await release.wait()
+            return await super()._persist(call, placement, blob)
+
+    recorder = SlowWrite(store, run_id="run-t")
+    p0, c0 = np.arange(10, 40, dtype=np.int32), np.arange(500, 505, dtype=np.int32)
+    p1 = np.concatenate([p0, c0, np.arange(70, 75, dtype=np.int32)])
+    c1 = np.arange(600, 603, dtype=np.int32)
+    first = asyncio.create_task(recorder.record(_call(0, p0, c0)))
+    second = asyncio.create_task(recorder.record(_call(1, p1, c1)))
+    await asyncio.sleep(0.05)
+    recorder.forget("exec-pg")
+    recorder.prefetch("exec-pg")
+    await asyncio.sleep(0.05)
+    release.set()
+    done = await asyncio.wait_for(asyncio.gather(first, second), timeout=10)
+    assert [r.placement.call_index for r in done] == [0, 1]
+    p2 = np.concatenate([p1, c1, np.arange(80, 84, dtype=np.int32)])
+    recorded = await asyncio.wait_for(recorder.record(_call(2, p2, np.arange(700, 702, dtype=np.int32))), 10)
+    assert recorded.placement.call_index == 2 and recorded.placement.parent_call_index == 1
+    assert recorder._ending == {}
