@@ -50,7 +50,7 @@ def _held_mb(core: Any, execution_id: str) -> tuple[float, float]:
     call sequences and the router's mirror of the worker's history): every array their views keep alive, the
     ones a buffer outgrew included. And what the same would take with every sequence a copy of its own."""
     anchors = [a.tokens for a in core.executions[execution_id].tito.anchors.values()]
-    sequences = list(core.recorder._logs[execution_id].sequences)
+    sequences = list(core.recorder._lines[execution_id].log.sequences)
     mirrors = [a for (e, _), m in core.router._mirrors.items() if e == execution_id for a in (m.prompt, m.completion)]
     owners = {}
     for view in [*anchors, *sequences, *mirrors]:

@@ -244,6 +244,11 @@ class GatewayCore:
             except RecordingFailed as exc:
                 self.log.error("recording_failed", execution_id=execution_id, error=str(exc))
                 raise ApiError("api_error", f"the call could not be recorded, so it is not returned: {exc}") from exc
+            finally:
+                if execution_id not in self.executions:
+                    # It ended while this call was generating (a timeout): what the call set up again for it
+                    # in the router and the recorder goes too, or it would stay for the life of the process.
+                    self.end_execution(execution_id)
             state.tito.commit(plan, completion=completion, reply=message, codec=self.codec)
             state.answered += 1
             state.last_infra_refusal = None

@@ -236,96 +236,115 @@ class CallRecorder(Protocol):
         ...
 
 
+@dataclass(eq=False)
+class _Line:
+    """One registration of an execution in a recorder: its calls queue on `lock` and are placed against `log`,
+    read from the store once (by the registration's prefetch when there was one). `users` counts the calls
+    holding or waiting for the lock."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0
+    log: ExecutionLog | None = None
+    prefetch: asyncio.Task[ExecutionLog] | None = None
+
+
 class _LoggedRecorder:
-    """Shared logic: one lock and one ExecutionLog per execution; subclasses persist."""
+    """Shared logic: one line of calls (lock and ExecutionLog) per execution; subclasses persist."""
 
     def __init__(self, *, run_id: str, clock: Callable[[], datetime] | None = None) -> None:
         self.run_id = run_id
         self._clock = clock or (lambda: datetime.now(UTC))
-        self._logs: dict[str, ExecutionLog] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
-        self._prefetched: dict[str, asyncio.Task[ExecutionLog]] = {}
-        # The lock of an execution forgotten while one of its calls was being recorded: a registration of the
-        # same execution straight after must not read the log before that call's write has landed.
-        self._ending: dict[str, asyncio.Lock] = {}
+        self._lines: dict[str, _Line] = {}
+        # Lines of an execution forgotten while calls of theirs were still being recorded: a later
+        # registration of the same execution reads the log only after their writes have landed.
+        self._ending: dict[str, list[_Line]] = {}
 
     def prefetch(self, execution_id: str) -> None:
         """Read the execution's log in the background (the gateway calls this when the execution is registered,
         before its agent starts): its first call then finds the log read, not a query to wait for. Outside a
         running event loop, or when the log is already held or being read, nothing happens."""
-        if execution_id in self._logs or execution_id in self._prefetched:
-            return
         try:
-            task = asyncio.get_running_loop().create_task(self._read(execution_id), name=f"prefetch-{execution_id}")
+            loop = asyncio.get_running_loop()
         except RuntimeError:
             return
+        line = self._lines.setdefault(execution_id, _Line())
+        if line.log is not None or line.prefetch is not None:
+            return
+        task = loop.create_task(self._read(execution_id, line), name=f"prefetch-{execution_id}")
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a failure is the first call's to see
-        self._prefetched[execution_id] = task
+        line.prefetch = task
 
-    async def _log_for(self, execution_id: str, lock: asyncio.Lock) -> ExecutionLog:
-        """The execution's log, read once: from the prefetch when one ran (a failed one is read again). Kept
-        only while the execution is not forgotten meanwhile (`lock` is still its lock): an execution that
-        ended during the read must not leave its log behind. A call that was already waiting when its execution
-        was forgotten reads the log itself: what is held or being read now belongs to a later registration,
-        whose read waits for this call."""
-        if self._locks.get(execution_id) is not lock:
-            return await self._load(execution_id)
-        log = self._logs.get(execution_id)
+    async def _log_for(self, execution_id: str, line: _Line) -> ExecutionLog:
+        """The line's log, read once: from the prefetch when one ran (a failed one is read again)."""
+        if line.log is not None:
+            return line.log
+        task, line.prefetch = line.prefetch, None
+        log = None
+        if task is not None:
+            try:
+                log = await asyncio.shield(task)  # the read is not cancelled with a call that stops waiting
+            except asyncio.CancelledError:
+                if not task.cancelled():
+                    raise  # this call was cancelled, not the read
+            except Exception:
+                pass  # read again below: the error, if it persists, is this call's
         if log is None:
-            task = self._prefetched.pop(execution_id, None)
-            if task is not None:
-                try:
-                    log = await asyncio.shield(task)  # the read is not cancelled with a call that stops waiting
-                except asyncio.CancelledError:
-                    if not task.cancelled():
-                        raise  # this call was cancelled, not the read
-                except Exception:
-                    pass  # read again below: the error, if it persists, is this call's
-            if log is None:
-                log = await self._read(execution_id)
-            if self._locks.get(execution_id) is lock:
-                self._logs[execution_id] = log
+            log = await self._read(execution_id, line)
+        line.log = log
         return log
 
-    async def _read(self, execution_id: str) -> ExecutionLog:
-        """Read the log, after the writes of calls still in flight when the execution was last forgotten."""
-        ending = self._ending.get(execution_id)
-        if ending is not None:
-            async with ending:
-                pass
-            self._drop_ending(execution_id, ending)
+    async def _read(self, execution_id: str, line: _Line) -> ExecutionLog:
+        """Read the log once the calls of the execution's earlier, forgotten lines are recorded (their lock
+        serves waiters in order, so holding it once means every call queued before has written)."""
+        for earlier in list(self._ending.get(execution_id, ())):
+            if earlier is not line:
+                async with earlier.lock:
+                    pass
         return await self._load(execution_id)
 
-    def _drop_ending(self, execution_id: str, lock: asyncio.Lock) -> None:
-        if self._ending.get(execution_id) is lock and not lock.locked():
-            del self._ending[execution_id]
-
     async def record(self, call: CompletedCall) -> RecordedCall:
-        lock = self._locks.setdefault(call.execution_id, asyncio.Lock())
+        line = self._lines.setdefault(call.execution_id, _Line())
+        line.users += 1
         try:
-            async with lock:
+            async with line.lock:
+                log = placement = None
                 try:
-                    log = await self._log_for(call.execution_id, lock)
+                    log = await self._log_for(call.execution_id, line)
                     placement = log.place(call.prompt, new_chain=call.new_chain)
                     blob_bytes = call_tokens(call, placement).encode()
                     recorded = await self._persist(call, placement, blob_bytes)
-                except RecordingFailed:
-                    raise
-                except Exception as exc:
+                except BaseException as exc:
+                    if placement is not None:
+                        # The write may have landed (a commit whose answer was lost, a cancelled call whose
+                        # commit went on): the next call reads the log again rather than reuse this index.
+                        line.log = None
+                    if isinstance(exc, RecordingFailed) or not isinstance(exc, Exception):
+                        raise
                     raise RecordingFailed(call.execution_id, exc) from exc
                 log.add(placement, call.prompt, call.completion)
                 return recorded
         finally:
-            self._drop_ending(call.execution_id, lock)
+            line.users -= 1
+            if line.users == 0:
+                self._retire(call.execution_id, line)
+
+    def _retire(self, execution_id: str, line: _Line) -> None:
+        """Drop a forgotten line whose last call is recorded."""
+        lines = self._ending.get(execution_id)
+        if lines is not None and line in lines:
+            lines.remove(line)
+            if not lines:
+                del self._ending[execution_id]
 
     def forget(self, execution_id: str) -> None:
-        self._logs.pop(execution_id, None)
-        lock = self._locks.pop(execution_id, None)
-        if lock is not None and lock.locked():
-            self._ending[execution_id] = lock  # a call is being recorded: a later read waits for its write
-        task = self._prefetched.pop(execution_id, None)
-        if task is not None:
-            task.cancel()
+        line = self._lines.pop(execution_id, None)
+        if line is None:
+            return
+        if line.prefetch is not None:
+            line.prefetch.cancel()
+            line.prefetch = None
+        if line.users:
+            self._ending.setdefault(execution_id, []).append(line)
 
     async def recall(self, execution_id: str) -> ExecutionSoFar:
         return ExecutionSoFar.of(await self._events(execution_id))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import anthropic
@@ -305,7 +306,7 @@ async def test_registration_hands_the_gateway_the_executions_seed_and_call_budge
                             json={"execution_id": "exec-s", "seed": 7, "max_calls": 2, "cell_id": "cell-x"})
         token = r.json()["token"]
         assert stack.core.router.preferred == {"exec-s": "cell-x"}  # the router starts it there if it can
-        assert "exec-s" in stack.recorder._prefetched  # its log is being read before its first call
+        assert stack.recorder._lines["exec-s"].prefetch is not None  # its log is being read before its first call
         client = stack.anthropic(token)
         user = [{"role": "user", "content": "hi"}]
         await client.messages.create(model="tiny", max_tokens=5, messages=user)
@@ -515,3 +516,32 @@ async def test_a_refusal_after_an_execution_ended_does_not_bring_its_state_back(
         for path in ("/v1/messages", "/v1/messages/count_tokens", "/v1/chat/completions"):
             r = await http.post(path, content=b"{not json", headers={"x-api-key": "gyre-not-a-token"})
             assert r.status_code == 401, path
+
+
+async def test_a_call_generating_when_its_execution_ends_leaves_nothing_behind() -> None:
+    """A timeout usually lands while a call is generating. The call still finishes (recorded after the end,
+    which the trajectory service leaves out), but what it set up again for the execution in the router and
+    the recorder is dropped with it, not kept for the life of the process."""
+
+    class GatedEngine(ScriptedEngine):
+        gate = asyncio.Event()
+
+        async def generate(self, prompt, sampling, request_id):
+            await self.gate.wait()
+            return await super().generate(prompt, sampling, request_id)
+
+    stack = build_stack([GatedEngine(CODEC)], CODEC)
+    token = stack.registry.register("exec-late")
+    stack.core.start_execution("exec-late")
+    call = asyncio.create_task(stack.anthropic(token).messages.create(
+        model="tiny", max_tokens=20, messages=[{"role": "user", "content": "hi"}]))
+    for _ in range(200):
+        if stack.core.router.worker_of("exec-late") is not None:
+            break
+        await asyncio.sleep(0.01)
+    stack.core.end_execution("exec-late")  # the end event arrives while the call generates
+    GatedEngine.gate.set()
+    await call
+    assert len(stack.recorder.calls("exec-late")) == 1
+    assert "exec-late" not in stack.core.executions and stack.core.router.worker_of("exec-late") is None
+    assert stack.recorder._lines == {} and stack.recorder._ending == {}

@@ -6,6 +6,7 @@ import asyncio
 from datetime import UTC, datetime
 
 import numpy as np
+import pytest
 
 from services.rollout.protocol import DrainRequest, GenerateRequest, SamplingSpec, TokenPayload
 from services.rollout.recording import CompletedCall, StoreCallRecorder
@@ -173,7 +174,7 @@ async def test_a_prefetched_log_spares_the_first_call_its_read_and_a_failed_one_
     ended = StoreCallRecorder(store, run_id="run-t")
     ended.prefetch("exec-gone")
     ended.forget("exec-gone")
-    assert ended._prefetched == {}
+    assert ended._lines == {}
 
 
 async def test_an_execution_forgotten_while_its_first_call_waits_for_the_log_does_not_keep_it() -> None:
@@ -194,7 +195,7 @@ async def test_an_execution_forgotten_while_its_first_call_waits_for_the_log_doe
     recorder.forget("exec-pg")  # the execution ends while its first call waits for the read
     release.set()
     await call  # the call itself is recorded (it was answered) ...
-    assert "exec-pg" not in recorder._logs  # ... but the ended execution's log is not kept
+    assert recorder._lines == {} and recorder._ending == {}  # ... but the ended execution keeps nothing
 
 
 async def test_a_registration_straight_after_an_end_reads_the_log_after_the_write_in_flight(store) -> None:
@@ -250,3 +251,91 @@ async def test_calls_queued_when_their_execution_ends_do_not_stall_its_next_regi
     recorded = await asyncio.wait_for(recorder.record(_call(2, p2, np.arange(700, 702, dtype=np.int32))), 10)
     assert recorded.placement.call_index == 2 and recorded.placement.parent_call_index == 1
     assert recorder._ending == {}
+
+
+async def test_an_end_while_the_first_call_waits_on_a_failing_prefetch_does_not_stall_it(store) -> None:
+    """The first call waits for the registration's read; the execution ends; the read fails. The call reads
+    the log itself (not waiting for its own line) and is recorded."""
+    from services.rollout.recording import ExecutionLog
+
+    release = asyncio.Event()
+    attempts: list[str] = []
+
+    class FailingRead(StoreCallRecorder):
+        async def _load(self, execution_id: str) -> ExecutionLog:
+            attempts.append(execution_id)
+            if len(attempts) == 1:
+                await release.wait()
+                raise ConnectionError("postgres went away")
+            return await super()._load(execution_id)
+
+    recorder = FailingRead(store, run_id="run-t")
+    recorder.prefetch("exec-pg")
+    call = asyncio.create_task(recorder.record(_call(0, np.arange(10, 40, dtype=np.int32),
+                                                     np.arange(500, 505, dtype=np.int32))))
+    await asyncio.sleep(0.05)
+    recorder.forget("exec-pg")
+    release.set()
+    recorded = await asyncio.wait_for(call, timeout=10)
+    assert recorded.placement.call_index == 0 and len(attempts) == 2
+    assert recorder._lines == {} and recorder._ending == {}
+
+
+async def test_a_registration_as_the_lock_passes_between_two_calls_still_waits_for_the_second(store) -> None:
+    """Two calls of an ended execution in the recorder; the registration comes just as the first finishes
+    and hands the lock to the second: the new read still waits for the second call's write."""
+    gates = [asyncio.Event(), asyncio.Event()]
+
+    class SlowWrite(StoreCallRecorder):
+        async def _persist(self, call, placement, blob):
+            if placement.call_index < len(gates):
+                await gates[placement.call_index].wait()
+            return await super()._persist(call, placement, blob)
+
+    recorder = SlowWrite(store, run_id="run-t")
+    p0, c0 = np.arange(10, 40, dtype=np.int32), np.arange(500, 505, dtype=np.int32)
+    p1 = np.concatenate([p0, c0, np.arange(70, 75, dtype=np.int32)])
+    c1 = np.arange(600, 603, dtype=np.int32)
+    first = asyncio.create_task(recorder.record(_call(0, p0, c0)))
+    second = asyncio.create_task(recorder.record(_call(1, p1, c1)))
+    await asyncio.sleep(0.05)
+    recorder.forget("exec-pg")
+    gates[0].set()
+    await first  # the lock passes to the second call, which has not yet run
+    recorder.prefetch("exec-pg")
+    await asyncio.sleep(0.05)
+    gates[1].set()
+    await second
+    p2 = np.concatenate([p1, c1, np.arange(80, 84, dtype=np.int32)])
+    recorded = await asyncio.wait_for(recorder.record(_call(2, p2, np.arange(700, 702, dtype=np.int32))), 10)
+    assert recorded.placement.call_index == 2
+
+
+async def test_a_call_cancelled_while_its_write_goes_on_does_not_let_the_next_reuse_its_index(store) -> None:
+    """A call cancelled during its write, whose commit lands anyway: the next call reads the log again and
+    continues after it rather than reuse its index."""
+    landed = asyncio.Event()
+
+    class CancelledAfterCommit(StoreCallRecorder):
+        async def _persist(self, call, placement, blob):
+            recorded = await super()._persist(call, placement, blob)
+            if placement.call_index == 1 and not landed.is_set():
+                landed.set()
+                await asyncio.sleep(3600)  # cancelled here: the write has landed, the call never returns
+            return recorded
+
+    recorder = CancelledAfterCommit(store, run_id="run-t")
+    p0, c0 = np.arange(10, 40, dtype=np.int32), np.arange(500, 505, dtype=np.int32)
+    await recorder.record(_call(0, p0, c0))
+    p1 = np.concatenate([p0, c0, np.arange(70, 75, dtype=np.int32)])
+    c1 = np.arange(600, 603, dtype=np.int32)
+    doomed = asyncio.create_task(recorder.record(_call(1, p1, c1)))
+    await landed.wait()
+    doomed.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await doomed
+    p2 = np.concatenate([p1, c1, np.arange(80, 84, dtype=np.int32)])
+    recorded = await recorder.record(_call(2, p2, np.arange(700, 702, dtype=np.int32)))
+    stored = [s.event.data for s in await store.read_stream("execution-exec-pg")]
+    assert [c.call_index for c in stored if isinstance(c, CallCompleted)] == [0, 1, 2]
+    assert recorded.placement.parent_call_index == 1
