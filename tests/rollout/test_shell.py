@@ -198,48 +198,56 @@ async def test_an_execution_forgotten_while_its_first_call_waits_for_the_log_doe
     assert recorder._lines == {} and recorder._ending == {}  # ... but the ended execution keeps nothing
 
 
+def _successive_calls(n: int) -> list[CompletedCall]:
+    """Calls 0..n-1 of exec-pg, each continuing the previous one's prompt and completion."""
+    calls, prompt = [], np.arange(10, 40, dtype=np.int32)
+    for i in range(n):
+        completion = np.arange(500 + 100 * i, 505 + 100 * i, dtype=np.int32)
+        calls.append(_call(i, prompt, completion))
+        prompt = np.concatenate([prompt, completion, np.arange(70 + 10 * i, 75 + 10 * i, dtype=np.int32)])
+    return calls
+
+
+class _GatedWrites(StoreCallRecorder):
+    """Holds the write of each call index in `gates` until its event is set."""
+
+    def __init__(self, store, gates: dict[int, asyncio.Event]) -> None:
+        super().__init__(store, run_id="run-t")
+        self.gates = gates
+
+    async def _persist(self, call, placement, blob):
+        gate = self.gates.get(placement.call_index)
+        if gate is not None:
+            await gate.wait()
+        return await super()._persist(call, placement, blob)
+
+
 async def test_a_registration_straight_after_an_end_reads_the_log_after_the_write_in_flight(store) -> None:
     """An execution ended (forgotten) while a call of it is being written, then registered again: the new read
     waits for that write, so the next call continues the log instead of reusing its index."""
-    release = asyncio.Event()
-
-    class SlowWrite(StoreCallRecorder):
-        async def _persist(self, call, placement, blob):
-            await release.wait()
-            return await super()._persist(call, placement, blob)
-
-    recorder = SlowWrite(store, run_id="run-t")
-    p0, c0 = np.arange(10, 40, dtype=np.int32), np.arange(500, 505, dtype=np.int32)
-    first = asyncio.create_task(recorder.record(_call(0, p0, c0)))
+    calls, release = _successive_calls(2), asyncio.Event()
+    recorder = _GatedWrites(store, {0: release})
+    first = asyncio.create_task(recorder.record(calls[0]))
     await asyncio.sleep(0.05)
     recorder.forget("exec-pg")  # ended while call 0 is being written ...
     recorder.prefetch("exec-pg")  # ... and registered again at once
     await asyncio.sleep(0.1)
     release.set()
     await first
-    p1 = np.concatenate([p0, c0, np.arange(70, 75, dtype=np.int32)])
-    recorded = await recorder.record(_call(1, p1, np.arange(600, 603, dtype=np.int32)))
+    recorded = await recorder.record(calls[1])
     assert recorded.placement.call_index == 1 and recorded.placement.parent_call_index == 0
     assert recorder._ending == {}
 
 
 async def test_calls_queued_when_their_execution_ends_do_not_stall_its_next_registration(store) -> None:
     """Two calls of one execution in the recorder when it ends (the first being written, the second waiting
-    for it), then a registration at once: the waiting call reads the log itself rather than take the new
-    registration's read (which waits for it), and the next call continues after both."""
-    release = asyncio.Event()
-
-    class SlowWrite(StoreCallRecorder):
-        async def _persist(self, call, placement, blob):
-            await release.wait()
-            return await super()._persist(call, placement, blob)
-
-    recorder = SlowWrite(store, run_id="run-t")
-    p0, c0 = np.arange(10, 40, dtype=np.int32), np.arange(500, 505, dtype=np.int32)
-    p1 = np.concatenate([p0, c0, np.arange(70, 75, dtype=np.int32)])
-    c1 = np.arange(600, 603, dtype=np.int32)
-    first = asyncio.create_task(recorder.record(_call(0, p0, c0)))
-    second = asyncio.create_task(recorder.record(_call(1, p1, c1)))
+    for it), then a registration at once: the new registration's read waits for both, the waiting call goes on
+    with its own line's log (it does not take the new read, which waits for it), and the next call continues
+    after both."""
+    calls, release = _successive_calls(3), asyncio.Event()
+    recorder = _GatedWrites(store, {0: release, 1: release})
+    first = asyncio.create_task(recorder.record(calls[0]))
+    second = asyncio.create_task(recorder.record(calls[1]))
     await asyncio.sleep(0.05)
     recorder.forget("exec-pg")
     recorder.prefetch("exec-pg")
@@ -247,8 +255,7 @@ async def test_calls_queued_when_their_execution_ends_do_not_stall_its_next_regi
     release.set()
     done = await asyncio.wait_for(asyncio.gather(first, second), timeout=10)
     assert [r.placement.call_index for r in done] == [0, 1]
-    p2 = np.concatenate([p1, c1, np.arange(80, 84, dtype=np.int32)])
-    recorded = await asyncio.wait_for(recorder.record(_call(2, p2, np.arange(700, 702, dtype=np.int32))), 10)
+    recorded = await asyncio.wait_for(recorder.record(calls[2]), 10)
     assert recorded.placement.call_index == 2 and recorded.placement.parent_call_index == 1
     assert recorder._ending == {}
 
@@ -271,8 +278,7 @@ async def test_an_end_while_the_first_call_waits_on_a_failing_prefetch_does_not_
 
     recorder = FailingRead(store, run_id="run-t")
     recorder.prefetch("exec-pg")
-    call = asyncio.create_task(recorder.record(_call(0, np.arange(10, 40, dtype=np.int32),
-                                                     np.arange(500, 505, dtype=np.int32))))
+    call = asyncio.create_task(recorder.record(_successive_calls(1)[0]))
     await asyncio.sleep(0.05)
     recorder.forget("exec-pg")
     release.set()
@@ -284,20 +290,10 @@ async def test_an_end_while_the_first_call_waits_on_a_failing_prefetch_does_not_
 async def test_a_registration_as_the_lock_passes_between_two_calls_still_waits_for_the_second(store) -> None:
     """Two calls of an ended execution in the recorder; the registration comes just as the first finishes
     and hands the lock to the second: the new read still waits for the second call's write."""
-    gates = [asyncio.Event(), asyncio.Event()]
-
-    class SlowWrite(StoreCallRecorder):
-        async def _persist(self, call, placement, blob):
-            if placement.call_index < len(gates):
-                await gates[placement.call_index].wait()
-            return await super()._persist(call, placement, blob)
-
-    recorder = SlowWrite(store, run_id="run-t")
-    p0, c0 = np.arange(10, 40, dtype=np.int32), np.arange(500, 505, dtype=np.int32)
-    p1 = np.concatenate([p0, c0, np.arange(70, 75, dtype=np.int32)])
-    c1 = np.arange(600, 603, dtype=np.int32)
-    first = asyncio.create_task(recorder.record(_call(0, p0, c0)))
-    second = asyncio.create_task(recorder.record(_call(1, p1, c1)))
+    calls, gates = _successive_calls(3), {0: asyncio.Event(), 1: asyncio.Event()}
+    recorder = _GatedWrites(store, gates)
+    first = asyncio.create_task(recorder.record(calls[0]))
+    second = asyncio.create_task(recorder.record(calls[1]))
     await asyncio.sleep(0.05)
     recorder.forget("exec-pg")
     gates[0].set()
@@ -306,8 +302,7 @@ async def test_a_registration_as_the_lock_passes_between_two_calls_still_waits_f
     await asyncio.sleep(0.05)
     gates[1].set()
     await second
-    p2 = np.concatenate([p1, c1, np.arange(80, 84, dtype=np.int32)])
-    recorded = await asyncio.wait_for(recorder.record(_call(2, p2, np.arange(700, 702, dtype=np.int32))), 10)
+    recorded = await asyncio.wait_for(recorder.record(calls[2]), 10)
     assert recorded.placement.call_index == 2
 
 
@@ -325,17 +320,14 @@ async def test_a_call_cancelled_while_its_write_goes_on_does_not_let_the_next_re
             return recorded
 
     recorder = CancelledAfterCommit(store, run_id="run-t")
-    p0, c0 = np.arange(10, 40, dtype=np.int32), np.arange(500, 505, dtype=np.int32)
-    await recorder.record(_call(0, p0, c0))
-    p1 = np.concatenate([p0, c0, np.arange(70, 75, dtype=np.int32)])
-    c1 = np.arange(600, 603, dtype=np.int32)
-    doomed = asyncio.create_task(recorder.record(_call(1, p1, c1)))
+    calls = _successive_calls(3)
+    await recorder.record(calls[0])
+    doomed = asyncio.create_task(recorder.record(calls[1]))
     await landed.wait()
     doomed.cancel()
     with pytest.raises(asyncio.CancelledError):
         await doomed
-    p2 = np.concatenate([p1, c1, np.arange(80, 84, dtype=np.int32)])
-    recorded = await recorder.record(_call(2, p2, np.arange(700, 702, dtype=np.int32)))
+    recorded = await recorder.record(calls[2])
     stored = [s.event.data for s in await store.read_stream("execution-exec-pg")]
     assert [c.call_index for c in stored if isinstance(c, CallCompleted)] == [0, 1, 2]
     assert recorded.placement.parent_call_index == 1
