@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -234,6 +235,10 @@ class LoopObserver:
             return None  # no answer in time: the exit stays the agent's own outcome
 
 
-async def run_execution_async(**kwargs: Any) -> ExecutionResult:
-    """`run_execution` in a worker thread (sandboxes and the SDK client block); same arguments."""
-    return await asyncio.to_thread(run_execution, **kwargs)
+async def run_execution_async(executor: concurrent.futures.Executor | None = None, **kwargs: Any) -> ExecutionResult:
+    """`run_execution` in a worker thread of `executor` (sandboxes and the SDK client block); same arguments.
+
+    A service passes a pool of its own, one thread per execution slot: an execution's thread waits for its
+    callbacks on the event loop, and those may need the loop's default pool (a host-name lookup for a new
+    database connection), so executions must never fill the default pool."""
+    return await asyncio.get_running_loop().run_in_executor(executor, functools.partial(run_execution, **kwargs))

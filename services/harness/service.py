@@ -9,6 +9,7 @@ never ended, marks them timed out (`budget="crash"`) and grades the work preserv
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import time
 from pathlib import Path
@@ -83,6 +84,8 @@ class HarnessService(Service):
         super().__init__(settings)
         self.h = harness or HarnessSettings()
         self._slots = asyncio.Semaphore(self.h.concurrency)
+        # One thread per slot, apart from the event loop's default pool (see run_execution_async).
+        self._threads = concurrent.futures.ThreadPoolExecutor(self.h.concurrency, thread_name_prefix="execution")
         self._running: dict[str, asyncio.Task[None]] = {}
         self._http: httpx.AsyncClient | None = None
         self._task_cache: dict[str, Task] = {}
@@ -105,6 +108,7 @@ class HarnessService(Service):
     async def teardown(self) -> None:
         for task in self._running.values():
             task.cancel()
+        self._threads.shutdown(wait=False, cancel_futures=True)
         if self._http is not None:
             await self._http.aclose()
 
@@ -166,8 +170,12 @@ class HarnessService(Service):
         if started.execution_id in self._running:
             return
         task = asyncio.ensure_future(self._run(started, cause))
+        task.set_name(f"execution-{started.execution_id}")
         self._running[started.execution_id] = task
         task.add_done_callback(lambda _: self._running.pop(started.execution_id, None))
+        # An execution whose end or score could not be written is left to recovery: the service reports itself
+        # unhealthy so that a supervisor restarts it.
+        task.add_done_callback(self._task_ended)
 
     async def _register(self, started: ExecutionStarted) -> str:
         """Mint the execution's token at the gateway, handing it the execution's seed (every call samples with
@@ -209,8 +217,8 @@ class HarnessService(Service):
             ended = False
             try:
                 token = await self._register(started)
-            except httpx.HTTPError as exc:
-                log.error("gateway_registration_failed", error=str(exc))
+            except (httpx.HTTPError, ValueError, KeyError) as exc:  # unreachable, refused, or an answer without a token
+                log.error("gateway_registration_failed", error=f"{type(exc).__name__}: {exc}")
                 await self._emit(ExecutionTimedOut(execution_id=execution_id, budget="crash", elapsed_s=0, calls=0),
                                  stream, cause)
                 await self._emit(self._zero_score(started, "gateway unreachable"), stream, cause)
@@ -234,6 +242,7 @@ class HarnessService(Service):
             budget = Budget(wall_clock_s=self.h.wall_budget_s, max_calls=self.h.call_budget)
             try:
                 result = await run_execution_async(
+                    self._threads,
                     execution_id=execution_id,
                     task=self.task(started.task_id),
                     harness=self.harness_config(started.harness),
@@ -309,8 +318,15 @@ class HarnessService(Service):
             s = started[action.execution_id]
             stream = stream_id_for("execution", s.execution_id)
             if action.mark_timed_out:
+                calls = await self.recorded_calls(s.execution_id)
                 await self._emit(ExecutionTimedOut(execution_id=s.execution_id, budget="crash", elapsed_s=0,
-                                                   calls=await self.recorded_calls(s.execution_id)), stream, None)
+                                                   calls=calls), stream, None)
+                if calls == 0:
+                    # The harness went down before the agent's first model call: the workspace is as the task
+                    # left it, and its grade says nothing about the policy.
+                    await self._emit(self._zero_score(s, "the harness stopped before the first model call"),
+                                     stream, None)
+                    continue
             try:
                 grade = await asyncio.to_thread(
                     grade_preserved, self.task(s.task_id), self.h.work_dir / s.execution_id, backend=self.h.backend

@@ -55,3 +55,30 @@ def test_reward_file_linked_outside_the_logs_is_ignored(tmp_path: Path) -> None:
     (logs / "verifier" / "reward.txt").unlink()
     (logs / "verifier" / "reward.txt").write_text("0.5\n")
     assert read_inside_file(logs, logs / "verifier" / "reward.txt") == "0.5\n"
+
+
+async def test_executions_run_on_their_own_threads_not_the_loops_default_pool(monkeypatch) -> None:
+    """An execution's thread waits for its callbacks on the event loop, and a callback may need the loop's
+    default pool (a host-name lookup when the store opens a connection). With executions on the default pool,
+    a full pool would wait on itself for ever; on a pool of their own they cannot starve it."""
+    import asyncio
+    import concurrent.futures
+
+    import services.harness.execution as execution
+
+    loop = asyncio.get_running_loop()
+    loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(1))  # a default pool the executions fill
+
+    def fake_run_execution(**kwargs):
+        async def callback() -> str:
+            return await asyncio.to_thread(lambda: "resolved")  # needs a default-pool thread
+        return asyncio.run_coroutine_threadsafe(callback(), loop).result(timeout=5)
+
+    monkeypatch.setattr(execution, "run_execution", fake_run_execution)
+    own = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="execution")
+    try:
+        results = await asyncio.wait_for(asyncio.gather(
+            execution.run_execution_async(own), execution.run_execution_async(own)), timeout=10)
+    finally:
+        own.shutdown(wait=False)
+    assert results == ["resolved", "resolved"]

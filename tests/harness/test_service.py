@@ -120,13 +120,14 @@ async def test_restart_marks_unfinished_executions_timed_out_and_grades_preserve
     run_id = unique("run-")
     server = gateway([])
     work = tmp_path / "executions"
-    # Two executions were running when the harness died: one had made two model calls and written the
-    # answer, one had not started.
-    done_id, empty_id = "qc-s0", "qc-s1"
-    (work / done_id / "work").mkdir(parents=True)
-    (work / done_id / "work" / "hello.txt").write_text("hello world\n")
-    for i, eid in enumerate((done_id, empty_id)):
-        log = ExecutionLog(eid, query_id="qc", run_id=run_id, task_id="create-file-1", group_size=2,
+    # Three executions were running when the harness died: one had made two model calls and written the
+    # answer, one had not started, and one had its workspace (here one that would pass) but no model call yet.
+    done_id, empty_id, uncalled_id = "qc-s0", "qc-s1", "qc-s2"
+    for eid in (done_id, uncalled_id):
+        (work / eid / "work").mkdir(parents=True)
+        (work / eid / "work" / "hello.txt").write_text("hello world\n")
+    for i, eid in enumerate((done_id, empty_id, uncalled_id)):
+        log = ExecutionLog(eid, query_id="qc", run_id=run_id, task_id="create-file-1", group_size=3,
                            sample_index=i, seed=i)
         log.start()
         if eid == done_id:
@@ -137,19 +138,21 @@ async def test_restart_marks_unfinished_executions_timed_out_and_grades_preserve
     svc = service(infra, store, bus, tmp_path, server, run_id)
     try:
         await svc.start()
-        events = await wait_for_types(store, run_id, {"execution.timed_out": 2, "execution.scored": 2})
+        events = await wait_for_types(store, run_id, {"execution.timed_out": 3, "execution.scored": 3})
     finally:
         await svc.stop()
         server.stop()
     timed_out = {e.data.execution_id: (e.data.budget, e.data.calls) for e in events if e.type == "execution.timed_out"}
     # The crash mark reports the calls the log holds, so the trajectory keeps the work done before the crash.
-    assert timed_out == {done_id: ("crash", 2), empty_id: ("crash", 0)}
+    assert timed_out == {done_id: ("crash", 2), empty_id: ("crash", 0), uncalled_id: ("crash", 0)}
     scored = {e.data.execution_id: e.data for e in events if e.type == "execution.scored"}
     assert scored[done_id].reward == 1.0 and scored[done_id].timed_out
     assert scored[empty_id].reward == 0.0
-    # Graded preserved work is a policy outcome; an execution the crash left nothing of is not.
+    # Graded preserved work is a policy outcome; an execution that made no model call is not (whatever its
+    # untouched workspace would score).
     assert scored[done_id].infra_failure is None
-    assert scored[empty_id].infra_failure is not None and scored[empty_id].infra_failure.startswith("nothing preserved")
+    for eid in (empty_id, uncalled_id):
+        assert scored[eid].reward == 0.0 and scored[eid].infra_failure == "the harness stopped before the first model call"
 
 
 async def test_restart_scores_an_ended_but_unscored_execution_by_how_it_ended(store, bus, infra, tmp_path):
