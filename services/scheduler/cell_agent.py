@@ -179,6 +179,9 @@ class CellRunner:
         self.proc: CellProcess | None = None
         self.starting: CellProcess | None = None  # launched, not yet ready (not in `proc` until it is)
         self.launches = 0
+        # cell.ready for the role taken, until it is in the log: the scheduler counts the cell from that event
+        # alone, so a write that fails is tried again rather than leave the cell "switching" for ever.
+        self.unreported: CellReady | None = None
         self.changed = asyncio.Event()
         self.log = agent.log.bind(cell_id=cell_id)
 
@@ -194,6 +197,13 @@ class CellRunner:
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
+            if self.unreported is not None and self.desired == self.role:
+                try:
+                    await self._report_ready()
+                except Exception:
+                    self.log.exception("cell_ready_not_reported", role=self.role)
+                    await _sleep_unless(stop, self.cfg.restart_backoff_s)
+                continue
             if self.desired != self.role:
                 try:
                     await self.switch(self.desired, stop)
@@ -232,6 +242,7 @@ class CellRunner:
     async def switch(self, target: RoleName, stop: asyncio.Event) -> None:
         t0 = time.monotonic()
         old = self.role
+        self.unreported = None  # a newer order: its own cell.ready follows
         self.log.info("cell_switch_started", from_role=old, to_role=target)
         if old != "idle":
             sessions = self._live_sessions() if old == "rollout" else 0
@@ -250,10 +261,16 @@ class CellRunner:
         if target != "idle":
             self.proc, version = await self._launch(target, stop)
         self.role = target
-        switch_s = time.monotonic() - t0
-        await self._emit(CellReady(cell_id=self.cell_id, role=target, switch_seconds=switch_s,
-                                   policy_version=version))
-        self.log.info("cell_ready", role=target, switch_seconds=round(switch_s, 3))
+        self.unreported = CellReady(cell_id=self.cell_id, role=target, switch_seconds=time.monotonic() - t0,
+                                    policy_version=version)
+        await self._report_ready()
+
+    async def _report_ready(self) -> None:
+        assert self.unreported is not None
+        ready = self.unreported
+        await self._emit(ready)
+        self.unreported = None
+        self.log.info("cell_ready", role=ready.role, switch_seconds=round(ready.switch_seconds, 3))
 
     # ---- processes ----
 

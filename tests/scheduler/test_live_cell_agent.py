@@ -329,3 +329,27 @@ async def test_stopping_the_agent_while_a_process_starts_leaves_no_process_behin
         pid = await pid_in(tmp_path / f"{cell}-train.pid")
         assert svc.runners[cell].proc is None  # still starting
     assert not alive(pid)
+
+
+async def test_a_ready_that_could_not_be_written_is_written_once_the_store_answers(store, bus, infra, tmp_path):
+    """The process is up and the role taken, but writing cell.ready fails (the database is briefly away): the
+    agent tries again until the event is in the log, since the scheduler counts the cell from it alone."""
+    run_id = unique("run-")
+    svc = agent(infra, store, bus, run_id, tmp_path, count=1)
+    cell = "n1-cell0"
+    failures = []
+    emit = svc.emit
+
+    async def flaky_emit(events, *args, **kwargs):
+        if any(e.type == "cell.ready" for e in events) and len(failures) < 2:
+            failures.append(events)
+            raise ConnectionError("postgres went away")
+        return await emit(events, *args, **kwargs)
+
+    svc.emit = flaky_emit  # type: ignore[method-assign]
+    async with Running(store, bus, infra, svc):
+        await assign(store, run_id, cell, "rollout")
+        events = await wait_for(store, run_id, cell, "cell.ready", 1)
+    assert len(failures) == 2
+    assert [e.type for e in events] == ["cell.registered", "cell.assigned", "cell.ready"]
+    assert events[-1].data.role == "rollout" and svc.runners[cell].unreported is None
