@@ -78,7 +78,7 @@ class GenerateRequest(_Frozen):
     sampling: SamplingSpec
 
 
-ReplyStatus = Literal["ok", "resync", "moved", "draining", "error"]
+ReplyStatus = Literal["ok", "resync", "moved", "draining", "ended", "error"]
 
 
 class GenerateReply(_Frozen):
@@ -129,6 +129,7 @@ class AdoptRequest(_Frozen):
 class AdoptReply(_Frozen):
     ok: bool
     detail: str = ""
+    ended: bool = False  # refused because the execution has ended: the source drops the session
     cached_tokens: int = 0
     seconds: float = 0.0
 

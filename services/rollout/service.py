@@ -201,11 +201,15 @@ class RolloutGatewayService(Service):
         from services.rollout.transport import NatsWorkerClient
 
         assert self.bus is not None
+        client = NatsWorkerClient(self.bus)
         for worker in workers:
             try:
-                await NatsWorkerClient(self.bus).end_sessions(worker, execution_id)
+                await client.end_sessions(worker, execution_id)
             except Exception:  # the worker may be gone; its sessions went with it
                 self.log.warning("end_sessions_failed", execution_id=execution_id, worker_id=worker)
+        # And every other worker: a session may sit where the router does not know of it, and a call or a
+        # migration still on its way must not start one after the end.
+        await client.announce_end(execution_id)
 
     async def teardown(self) -> None:
         for server in self._servers:

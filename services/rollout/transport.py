@@ -46,6 +46,13 @@ def status_subject(bus: Bus) -> str:
     return f"{bus.prefix}.rollout.status"
 
 
+def ended_subject(bus: Bus) -> str:
+    """Every worker hears an execution's end here, whether or not it holds the execution: a session can sit
+    where the router does not know of it (a migration that finished after the end, an execution placed
+    again while its old worker drained)."""
+    return f"{bus.prefix}.rollout.ended"
+
+
 async def send_tokens(bus: Bus, ids: np.ndarray, *, inline_limit: int = INLINE_LIMIT) -> TokenPayload:
     payload, packed = TokenPayload.pack(ids)
     if len(packed) <= inline_limit:
@@ -108,6 +115,11 @@ class NatsWorkerClient:
             EndSessions(execution_id=execution_id).model_dump_json().encode(),
             10.0,
         )
+
+    async def announce_end(self, execution_id: str) -> None:
+        """Tell every worker the execution has ended (no answer awaited)."""
+        body = EndSessions(execution_id=execution_id).model_dump_json().encode()
+        await self.bus.nc.publish(ended_subject(self.bus), body)
 
 
 class NatsPeers:
@@ -175,6 +187,14 @@ class WorkerServer:
 
         for verb, handler in (("generate", generate), ("adopt", adopt), ("drain", drain), ("end", end)):
             self.subscriptions.append(await self._serve(worker_subject(bus, w.worker_id, verb), handler))
+
+        async def on_ended(msg: Any) -> None:
+            try:
+                w.end_sessions(EndSessions.model_validate_json(msg.data).execution_id)
+            except ValueError:
+                log.warning("bad_end_announcement", data=msg.data[:200])
+
+        self.subscriptions.append(await bus.nc.subscribe(ended_subject(bus), cb=on_ended))
         await self.publish_status()
         self._task = asyncio.create_task(self._heartbeat())
         return self

@@ -35,6 +35,12 @@ from shared.logging import get_logger
 
 Emit = Callable[[Sequence[EventData]], Awaitable[None]]
 
+# How long a worker remembers that an execution ended, refusing its late calls and migrations: far longer than
+# a request can be on its way (the NATS request timeout is 900 s).
+ENDED_KEEP_S = 3600.0
+# Targets a migration tries before it gives the session up as failed (each refusal: the next least loaded).
+MIGRATION_TARGETS = 3
+
 
 class WorkerPeers(Protocol):
     """How a draining worker finds targets and hands sessions over (NATS in the shell, direct in tests)."""
@@ -91,6 +97,9 @@ class RolloutWorker:
         self.state: WorkerState = "active"
         self.sessions: dict[tuple[str, str], Session] = {}
         self.moved: dict[str, str] = {}  # execution_id -> worker that now holds it
+        # Executions ended here (monotonic time of the end): a call or a migration that arrives after the end
+        # must not create a session nobody would end again.
+        self.ended: dict[str, float] = {}
         self.in_flight = 0
         self._emit = emit
         self.peers = peers
@@ -122,12 +131,14 @@ class RolloutWorker:
 
     async def generate(self, request: GenerateRequest, delta: np.ndarray) -> GenerateReply:
         ids: dict[str, Any] = {"worker_id": self.worker_id, "cell_id": self.cell_id}
-        moved_to = self.moved.get(request.execution_id)
-        if moved_to is not None:
-            return GenerateReply(status="moved", moved_to=moved_to, detail="session migrated", **ids)
+        if request.execution_id in self.ended:
+            return GenerateReply(status="ended", detail=f"execution {request.execution_id} has ended", **ids)
         key = (request.execution_id, request.chain_id)
         session = self.sessions.get(key)
         if session is None:
+            moved_to = self.moved.get(request.execution_id)  # per execution: its chains move together
+            if moved_to is not None:
+                return GenerateReply(status="moved", moved_to=moved_to, detail="session migrated", **ids)
             if self.state != "active":
                 return GenerateReply(status="draining", detail=f"worker {self.worker_id} is {self.state}", **ids)
             if request.base_len > 0:
@@ -136,9 +147,11 @@ class RolloutWorker:
             self.sessions[key] = session
             self._on_change()
         async with session.lock:
-            if self.moved.get(request.execution_id) is not None:
-                # Migrated while this request waited behind an in-flight one.
-                return GenerateReply(status="moved", moved_to=self.moved[request.execution_id], **ids)
+            if self.sessions.get(key) is not session:
+                # Migrated or ended while this request waited behind an in-flight one.
+                if self.moved.get(request.execution_id) is not None:
+                    return GenerateReply(status="moved", moved_to=self.moved[request.execution_id], **ids)
+                return GenerateReply(status="ended", detail=f"execution {request.execution_id} has ended", **ids)
             if request.base_len > len(session.history) or (
                 request.base_len > 0 and tokens_digest(session.history[: request.base_len]) != request.base_digest
             ):
@@ -198,6 +211,10 @@ class RolloutWorker:
         for k in keys:
             del self.sessions[k]
         self.moved.pop(execution_id, None)
+        now = time.monotonic()
+        self.ended[execution_id] = now
+        for old in [e for e, at in self.ended.items() if now - at > ENDED_KEEP_S]:
+            del self.ended[old]
         if keys:
             self._on_change()
         return len(keys)
@@ -225,12 +242,16 @@ class RolloutWorker:
 
     async def adopt(self, request: AdoptRequest, history: np.ndarray) -> AdoptReply:
         """Take over a session from a draining worker; prefill its history now (from moved KV if possible)."""
+        if request.execution_id in self.ended:
+            return AdoptReply(ok=False, ended=True, detail=f"execution {request.execution_id} has ended")
         if self.state != "active":
             return AdoptReply(ok=False, detail=f"worker {self.worker_id} is {self.state}")
         started = time.perf_counter()
         key = (request.execution_id, request.chain_id)
         session = self.sessions.get(key) or Session(request.execution_id, request.chain_id)
         async with session.lock:
+            if request.execution_id in self.ended:  # ended while this waited for the lock
+                return AdoptReply(ok=False, ended=True, detail=f"execution {request.execution_id} has ended")
             session.history = np.asarray(history, dtype=np.int32)
             self.sessions[key] = session
             self.moved.pop(request.execution_id, None)
@@ -250,6 +271,11 @@ class RolloutWorker:
                 except PolicyChanged as exc:  # KV of another policy must not enter this engine's cache
                     self.sessions.pop(key, None)  # the source recomputes it here or elsewhere
                     return AdoptReply(ok=False, detail=f"saved KV is stale: {exc}")
+                except BaseException:
+                    # The source keeps the session (its adopt failed): no copy stays here that no move points to.
+                    if self.sessions.get(key) is session:
+                        del self.sessions[key]
+                    raise
                 cached = out.cached_tokens
         self._on_change()
         return AdoptReply(ok=True, cached_tokens=cached, seconds=time.perf_counter() - started)
@@ -266,10 +292,13 @@ class RolloutWorker:
             if session is None:
                 continue
             try:
-                results.append(await self._migrate(session, request))
+                result = await self._migrate(session, request)
             except Exception as exc:  # keep draining the others; report what failed
                 self.log.exception("migration_failed", execution_id=key[0], chain_id=key[1])
                 failures.append(f"{key[0]}/{key[1]}: {type(exc).__name__}: {exc}")
+                continue
+            if result is not None:
+                results.append(result)
         self.state = "drained" if not failures else "draining"
         self._on_change()
         return DrainReply(
@@ -279,12 +308,14 @@ class RolloutWorker:
             seconds=time.perf_counter() - started,
         )
 
-    def _pick_target(self, execution_id: str, preferred: Sequence[str]) -> WorkerStatus:
+    def _pick_target(self, execution_id: str, preferred: Sequence[str], refused: set[str]) -> WorkerStatus:
         if self.peers is None:
             raise RuntimeError("worker has no peers to migrate to")
-        candidates = [c for c in self.peers.candidates(exclude=self.worker_id) if c.state == "active"]
+        candidates = [c for c in self.peers.candidates(exclude=self.worker_id)
+                      if c.state == "active" and c.worker_id not in refused]
         if not candidates:
-            raise RuntimeError("no active worker to migrate to")
+            refusals = f"; refused by {sorted(refused)}" if refused else ""
+            raise RuntimeError(f"no active worker to migrate to{refusals}")
         # Keep an execution's chains together: follow where its first chain went.
         if execution_id in self.moved:
             for c in candidates:
@@ -293,52 +324,76 @@ class RolloutWorker:
         ordered = [c for c in candidates if c.worker_id in preferred] or candidates
         return min(ordered, key=lambda c: (c.live_sessions / c.capacity, c.in_flight, c.worker_id))
 
-    async def _migrate(self, session: Session, request: DrainRequest) -> MigrationResult:
+    async def _hand_over(
+        self, session: Session, target: WorkerStatus, request: DrainRequest
+    ) -> tuple[str, int, AdoptReply]:
+        """Offer the session to `target` (under the session's lock): its KV when the engine can move KV, else (or
+        when that fails) its history to recompute. Returns the method, the KV bytes moved and the answer."""
         assert self.peers is not None
-        async with session.lock:  # an in-flight request on this session completes here first
-            started = time.perf_counter()
-            target = self._pick_target(session.execution_id, request.targets)
-            history = session.history
-            method = request.force_method or ("kv" if self.engine.kv_transfer else "recompute")
-            prompt = kv_prompt(self._prefill_limit(history), self.engine.block_size) if method == "kv" else None
-            moved_bytes = 0
-            reply: AdoptReply | None = None
-            if prompt is not None:
-                _, saved_by = await self._engine_call(
-                    prompt, SamplingSpec(max_tokens=1, temperature=0.0), f"{KV_SAVE_PREFIX}{uuid.uuid4().hex}"
-                )
-                moved_bytes = self.engine.kv_bytes(prompt.tolist())
-                adopt = AdoptRequest(
-                    execution_id=session.execution_id,
-                    chain_id=session.chain_id,
-                    history=TokenPayload(count=len(history)),
-                    method="kv",
-                    kv_prompt_len=len(prompt),
-                    from_worker=self.worker_id,
-                    policy_version=saved_by,
-                )
-                try:
-                    reply = await self.peers.adopt(target.worker_id, adopt, history)
-                finally:
-                    self.engine.drop_kv(prompt.tolist())  # the shared folder only holds KV in transit
-                if not reply.ok or reply.cached_tokens == 0:
-                    self.log.warning("kv_migration_fell_back", execution_id=session.execution_id, detail=reply.detail)
-                    reply = None
-            if reply is None:
-                method, moved_bytes = "recompute", 0
-                adopt = AdoptRequest(
-                    execution_id=session.execution_id,
-                    chain_id=session.chain_id,
-                    history=TokenPayload(count=len(history)),
-                    method="recompute",
-                    from_worker=self.worker_id,
-                )
+        history = session.history
+        method = request.force_method or ("kv" if self.engine.kv_transfer else "recompute")
+        prompt = kv_prompt(self._prefill_limit(history), self.engine.block_size) if method == "kv" else None
+        if prompt is not None:
+            _, saved_by = await self._engine_call(
+                prompt, SamplingSpec(max_tokens=1, temperature=0.0), f"{KV_SAVE_PREFIX}{uuid.uuid4().hex}"
+            )
+            moved_bytes = self.engine.kv_bytes(prompt.tolist())
+            adopt = AdoptRequest(
+                execution_id=session.execution_id,
+                chain_id=session.chain_id,
+                history=TokenPayload(count=len(history)),
+                method="kv",
+                kv_prompt_len=len(prompt),
+                from_worker=self.worker_id,
+                policy_version=saved_by,
+            )
+            try:
                 reply = await self.peers.adopt(target.worker_id, adopt, history)
-                if not reply.ok:
-                    raise RuntimeError(f"worker {target.worker_id} refused the session: {reply.detail}")
+            finally:
+                self.engine.drop_kv(prompt.tolist())  # the shared folder only holds KV in transit
+            if reply.ended or (reply.ok and reply.cached_tokens > 0):
+                return "kv", moved_bytes, reply
+            self.log.warning("kv_migration_fell_back", execution_id=session.execution_id, detail=reply.detail)
+        adopt = AdoptRequest(
+            execution_id=session.execution_id,
+            chain_id=session.chain_id,
+            history=TokenPayload(count=len(history)),
+            method="recompute",
+            from_worker=self.worker_id,
+        )
+        return "recompute", 0, await self.peers.adopt(target.worker_id, adopt, history)
+
+    async def _migrate(self, session: Session, request: DrainRequest) -> MigrationResult | None:
+        """Move one session to another worker; None when there was nothing to move (it ended or moved while the
+        drain waited for its lock, or its execution ended before a target took it)."""
+        assert self.peers is not None
+        key = (session.execution_id, session.chain_id)
+        async with session.lock:  # an in-flight request on this session completes here first
+            if self.sessions.get(key) is not session:
+                return None
+            started = time.perf_counter()
+            history = session.history
+            refused: set[str] = set()
+            reply: AdoptReply | None = None
+            for _ in range(MIGRATION_TARGETS):
+                target = self._pick_target(session.execution_id, request.targets, refused)
+                method, moved_bytes, reply = await self._hand_over(session, target, request)
+                if reply.ok or reply.ended:
+                    break
+                refused.add(target.worker_id)  # draining too, say, and its heartbeat had not told yet
+                self.log.warning("migration_refused", execution_id=session.execution_id, to_worker=target.worker_id,
+                                 detail=reply.detail)
+            assert reply is not None
+            if reply.ended or session.execution_id in self.ended:
+                # It ended meanwhile; the end reaches every worker, so a target that took it drops it too.
+                self.sessions.pop(key, None)
+                self._on_change()
+                return None
+            if not reply.ok:
+                raise RuntimeError(f"no worker took the session (refused by {sorted(refused)}): {reply.detail}")
             seconds = time.perf_counter() - started
             self.moved[session.execution_id] = target.worker_id
-            self.sessions.pop((session.execution_id, session.chain_id), None)
+            self.sessions.pop(key, None)
         result = MigrationResult(
             execution_id=session.execution_id,
             chain_id=session.chain_id,

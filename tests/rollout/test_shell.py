@@ -77,6 +77,27 @@ async def test_worker_over_nats_answers_resync_for_unknown_sessions(bus) -> None
         await server.stop()
 
 
+async def test_an_announced_end_reaches_every_worker_over_nats(bus) -> None:
+    """The gateway announces an execution's end to all workers (not only the one it knows as holder): each
+    drops its sessions and refuses a late call."""
+    workers = [RolloutWorker(ScriptedEngine(CODEC), worker_id=f"a{i}", cell_id=f"c{i}") for i in range(2)]
+    servers = [await WorkerServer(w, bus).start() for w in workers]
+    try:
+        client = NatsWorkerClient(bus)
+        prompt = np.arange(100, 120, dtype=np.int32)
+        for w in workers:  # a session on each: where the router placed it, and where a migration left one
+            req = GenerateRequest(request_id="x", execution_id="gone", base_len=0,
+                                  delta=TokenPayload(count=len(prompt)), sampling=SamplingSpec(max_tokens=5))
+            assert (await client.generate(w.worker_id, req, prompt)).status == "ok"
+        await client.announce_end("gone")
+        await _wait_for(lambda: all(not w.sessions and "gone" in w.ended for w in workers))
+        late = await client.generate("a1", req, prompt)
+        assert late.status == "ended"
+    finally:
+        for server in servers:
+            await server.stop()
+
+
 def _call(i: int, prompt: np.ndarray, completion: np.ndarray) -> CompletedCall:
     return CompletedCall(execution_id="exec-pg", call_id=f"c{i}", chain_id="main", new_chain=False, prompt=prompt,
                          completion=completion, logprobs=-np.arange(len(completion), dtype=np.float32) / 10,

@@ -306,3 +306,151 @@ async def test_kv_migration_falls_back_to_recompute_when_the_target_loads_nothin
     assert reply.ok and reply.migrated[0].method == "recompute" and reply.migrated[0].bytes == 0
     assert events[0].method == "recompute"
     assert len(stack.engines[0].prompts) == 2  # the call itself, then the kvsave prefill on the source
+
+
+class _GatedEngine(ScriptedEngine):
+    """Requests whose id starts with `prefix` wait for `gate`; `entered` is set when the first one arrives."""
+
+    def __init__(self, codec, prefix: str) -> None:
+        super().__init__(codec)
+        self.prefix, self.gate, self.entered = prefix, asyncio.Event(), asyncio.Event()
+
+    async def generate(self, prompt, sampling, request_id):
+        if request_id.startswith(self.prefix):
+            self.entered.set()
+            await self.gate.wait()
+        return await super().generate(prompt, sampling, request_id)
+
+
+def _pool(engines) -> tuple[LocalWorkers, list[RolloutWorker], Router, WorkerDirectory]:
+    local, directory = LocalWorkers(), WorkerDirectory(stale_after_s=1e9)
+    workers = [local.add(RolloutWorker(e, worker_id=f"w{i}", cell_id=f"c{i}", capacity=8))
+               for i, e in enumerate(engines)]
+
+    def refresh() -> None:
+        for w in workers:
+            directory.update(w.status())
+
+    for w in workers:
+        w._on_change = refresh
+    refresh()
+    return local, workers, Router(directory, local), directory
+
+
+def _end_everywhere(workers: list[RolloutWorker], execution_id: str) -> None:
+    """What the gateway's end does: every worker hears it (ended_subject), holder or not."""
+    for w in workers:
+        w.end_sessions(execution_id)
+
+
+async def _start_on(router: Router, workers: list[RolloutWorker], target: int, execution_id: str, **kw):
+    """Place an execution on workers[target]: every other worker looks busy draining while it is placed."""
+    for i, w in enumerate(workers):
+        w.state = "active" if i == target else "draining"
+        w._on_change()
+    reply = await router.generate(execution_id=execution_id, chain_id=kw.get("chain_id", "main"),
+                                  prompt=kw.get("prompt", np.arange(100, 140, dtype=np.int32)),
+                                  sampling=SamplingSpec(max_tokens=20), request_id="call-0")
+    for w in workers:
+        w.state = "active"
+        w._on_change()
+    return reply
+
+
+async def test_an_execution_ended_while_its_session_migrates_leaves_no_session_anywhere() -> None:
+    """The end arrives while the target is prefilling the adopted history (the router knows only the source as
+    holder). The source records no move, and the target, which hears every end, keeps nothing."""
+    target_engine = _GatedEngine(CODEC, "adopt-")
+    local, workers, router, _ = _pool([ScriptedEngine(CODEC), target_engine])
+    await _start_on(router, workers, 0, "X")
+    drain = asyncio.create_task(workers[0].drain(DrainRequest()))
+    await target_engine.entered.wait()
+    _end_everywhere(workers, "X")
+    target_engine.gate.set()
+    reply = await drain
+    assert reply.ok and reply.migrated == []
+    assert workers[0].moved == {} and all(not w.sessions for w in workers)
+    # A call still on its way is refused rather than start a session again.
+    late = await workers[1].generate(request("X", np.zeros(0, np.int32), np.arange(5, dtype=np.int32)),
+                                     np.arange(5, dtype=np.int32))
+    assert late.status == "ended" and not workers[1].sessions
+
+
+async def test_a_migration_offered_to_a_worker_that_saw_the_end_is_dropped_not_failed() -> None:
+    local, workers, router, _ = _pool([ScriptedEngine(CODEC), ScriptedEngine(CODEC)])
+    await _start_on(router, workers, 0, "X")
+    workers[1].end_sessions("X")  # the end reached the target first
+    reply = await workers[0].drain(DrainRequest())
+    assert reply.ok and reply.migrated == [] and workers[0].state == "drained"
+    assert not workers[0].sessions and not workers[1].sessions and workers[0].moved == {}
+
+
+async def test_an_adopt_that_fails_leaves_no_copy_on_the_target() -> None:
+    local, workers, router, _ = _pool([ScriptedEngine(CODEC), ScriptedEngine(CODEC)])
+    await _start_on(router, workers, 0, "X")
+    workers[1].engine.fail_next = RuntimeError("engine hiccup")
+    reply = await workers[0].drain(DrainRequest())
+    assert not reply.ok and "engine hiccup" in reply.detail
+    assert list(workers[0].sessions) == [("X", "main")] and not workers[1].sessions
+
+
+async def test_a_drain_refused_by_a_target_that_is_draining_too_tries_the_next() -> None:
+    """Two cells drain within one heartbeat: each still sees the other as active. A refusal sends the session
+    to the next candidate instead of leaving the drain unfinished."""
+    local, workers, router, directory = _pool([ScriptedEngine(CODEC) for _ in range(3)])
+    await _start_on(router, workers, 0, "X0")
+    await _start_on(router, workers, 1, "X1")
+    for busy in ("Y0", "Y1"):  # the third worker is the busiest, so each drain first picks the other
+        await _start_on(router, workers, 2, busy)
+    stale = {w.worker_id: w.status() for w in workers}  # taken before either drain began
+
+    class LaggingPeers:
+        def candidates(self, exclude):
+            return [s for k, s in sorted(stale.items()) if k != exclude]
+
+        adopt = local.adopt
+
+    workers[0].peers = workers[1].peers = LaggingPeers()  # type: ignore[assignment]
+    r0, r1 = await asyncio.gather(workers[0].drain(DrainRequest()), workers[1].drain(DrainRequest()))
+    assert r0.ok and r1.ok and workers[0].state == workers[1].state == "drained"
+    assert {("X0", "main"), ("X1", "main")} <= set(workers[2].sessions)
+
+
+async def test_two_drains_of_one_worker_move_each_session_once() -> None:
+    """Two drains (a redelivered order) wait behind a call in flight on the session: the first moves it, the
+    second finds it gone."""
+    events: list = []
+
+    async def emit(data):
+        events.extend(data)
+
+    source = _GatedEngine(CODEC, "call-1")
+    local, workers, router, _ = _pool([source, ScriptedEngine(CODEC)])
+    workers[0]._emit = emit
+    first_call = await _start_on(router, workers, 0, "X")
+    history = np.concatenate([np.arange(100, 140, dtype=np.int32), np.asarray(first_call.completion, np.int32)])
+    more = np.arange(300, 310, dtype=np.int32)
+    in_flight = asyncio.create_task(workers[0].generate(
+        request("X", history, more).model_copy(update={"request_id": "call-1"}), more))
+    await source.entered.wait()
+    drains = asyncio.gather(workers[0].drain(DrainRequest()), workers[0].drain(DrainRequest()))
+    await asyncio.sleep(0.05)
+    source.gate.set()
+    assert (await in_flight).status == "ok"
+    first, second = await drains
+    assert len(first.migrated) + len(second.migrated) == 1 and len(events) == 1
+    assert list(workers[1].sessions) == [("X", "main")]
+
+
+async def test_a_chain_still_here_is_served_here_while_another_chain_of_its_execution_has_moved() -> None:
+    """`moved` is kept per execution, sessions per chain: a call for a chain that has not moved yet is served
+    where it is (no needless recompute elsewhere)."""
+    local, workers, router, _ = _pool([ScriptedEngine(CODEC), ScriptedEngine(CODEC)])
+    main = await _start_on(router, workers, 0, "X")
+    await _start_on(router, workers, 0, "X", chain_id="chain-1", prompt=np.arange(500, 540, dtype=np.int32))
+    workers[0].moved["X"] = "w1"  # chain-1 moved first (the drain goes in key order) ...
+    del workers[0].sessions[("X", "chain-1")]
+    history = np.concatenate([np.arange(100, 140, dtype=np.int32), np.asarray(main.completion, np.int32)])
+    more = np.arange(300, 310, dtype=np.int32)
+    reply = await workers[0].generate(request("X", history, more, chain_id="main"), more)  # ... main has not
+    assert reply.status == "ok" and reply.worker_id == "w0"
