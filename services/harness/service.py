@@ -334,6 +334,11 @@ class HarnessService(Service):
             except (FileNotFoundError, TaskFormatError) as exc:
                 await self._emit(self._zero_score(s, f"nothing preserved: {exc}"), stream, None)
                 continue
+            except Exception as exc:  # a sandbox that cannot start, say: one execution must not stop the service
+                self.log.exception("recovery_grading_failed", execution_id=s.execution_id)
+                await self._emit(self._zero_score(s, f"grading after the crash failed: {type(exc).__name__}: {exc}"),
+                                 stream, None)
+                continue
             # Scored as the live path would have: by how the execution ended, when its end was recorded.
             end = ends.get(s.execution_id)
             finished = end if isinstance(end, ExecutionFinished) else None

@@ -284,3 +284,41 @@ def test_the_harness_a_dispatch_names_is_the_one_that_runs(tmp_path: Path) -> No
     assert isinstance(service.harness_config("claude-code"), ExternalHarness)
     with pytest.raises(ValueError, match="unknown harness 'codex'"):
         service.harness_config("codex")
+
+
+async def test_recovery_scores_an_execution_it_cannot_grade_and_goes_on(store, bus, infra, tmp_path, monkeypatch):
+    """Grading one execution after the crash fails (its sandbox cannot start, say): it is scored 0 as an
+    infrastructure failure, and the service starts and recovers the others rather than crash-loop."""
+    import services.harness.service as harness_service
+    from services.harness.sandbox import SandboxError
+    from services.trajectory.synthetic import ExecutionLog
+
+    run_id = unique("run-")
+    server = gateway([])
+    work = tmp_path / "executions"
+    graded = harness_service.grade_preserved
+
+    def grade_or_fail(task, state_dir, **kwargs):
+        if state_dir.name == "qg-s0":
+            raise SandboxError("no free sandbox uid")
+        return graded(task, state_dir, **kwargs)
+
+    monkeypatch.setattr(harness_service, "grade_preserved", grade_or_fail)
+    for i, eid in enumerate(("qg-s0", "qg-s1")):
+        (work / eid / "work").mkdir(parents=True)
+        (work / eid / "work" / "hello.txt").write_text("hello world\n")
+        log = ExecutionLog(eid, query_id="qg", run_id=run_id, task_id="create-file-1", group_size=2,
+                           sample_index=i, seed=i)
+        log.start()
+        log.call([1, 2, 3], [4, 5])
+        await store.append(log.events)
+    svc = service(infra, store, bus, tmp_path, server, run_id)
+    try:
+        await svc.start()
+        events = await wait_for_types(store, run_id, {"execution.timed_out": 2, "execution.scored": 2})
+    finally:
+        await svc.stop()
+        server.stop()
+    scored = {e.data.execution_id: e.data for e in events if e.type == "execution.scored"}
+    assert scored["qg-s0"].reward == 0.0 and "no free sandbox uid" in scored["qg-s0"].infra_failure
+    assert scored["qg-s1"].reward == 1.0 and scored["qg-s1"].infra_failure is None
