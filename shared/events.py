@@ -292,6 +292,9 @@ class BatchReady(EventData):
     target_tokens: int = Field(ge=0)
     min_policy_version: int = Field(ge=0)
     max_policy_version: int = Field(ge=0)
+    # Executions left out because a target was generated beyond the staleness bound (their reward still counts
+    # in their group's normalisation).
+    stale_executions: int = Field(default=0, ge=0)
 
 
 @register

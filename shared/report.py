@@ -47,6 +47,7 @@ class RunReport:
     executions: int = 0
     timed_out: int = 0
     infra_failures: int = 0  # executions infrastructure ended: not trained, not in the reward curve
+    stale_executions: int = 0  # executions left out of training: generated beyond the staleness bound
     branches: dict[str, int] = field(default_factory=dict)
     unique_tokens: int = 0
     flat_tokens: int = 0
@@ -89,6 +90,7 @@ def build_report(run_id: str, events: Sequence[Event]) -> RunReport:
         elif isinstance(data, BatchReady):
             report.unique_tokens += data.unique_tokens
             report.flat_tokens += data.flat_tokens
+            report.stale_executions += data.stale_executions
         elif isinstance(data, StepCompleted):
             losses[data.step] = (data.metrics.get("loss"), data.seconds)
         elif isinstance(data, CellAssigned):
@@ -194,6 +196,7 @@ def summary_lines(report: RunReport) -> list[str]:
     lines = [f"run {report.run_id}: {len(report.steps)} steps, {report.executions} executions "
              f"({report.timed_out} timed out"
              + (f", {report.infra_failures} ended by infrastructure" if report.infra_failures else "")
+             + (f", {report.stale_executions} left out as too stale" if report.stale_executions else "")
              + f") in {report.wall_s or 0:.0f} s"]
     if report.reward_gain is not None:
         lines.append(f"mean reward {report.reward_first:.3f} → {report.reward_last:.3f} ({report.reward_gain:+.3f})")

@@ -44,6 +44,7 @@ def batch_ready_data(step: int, batch: TrainingBatch, ref: BlobRef) -> BatchRead
         target_tokens=int(meta["target_tokens"]),
         min_policy_version=int(meta["min_policy_version"]),
         max_policy_version=int(meta["max_policy_version"]),
+        stale_executions=int(meta.get("stale_executions", 0)),
     )
 
 

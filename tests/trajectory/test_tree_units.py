@@ -332,5 +332,9 @@ def test_stale_execution_is_left_out_but_its_reward_still_normalises_the_group()
     batch = build_training_batch(6, inputs, budget=64, cap_k=2, min_policy_version=6 - 1)
     assert [e.execution_id for e in batch.executions] == ["fresh"]
     assert batch.meta["stale_executions"] == 1
+    from services.trajectory.service import batch_ready_data
+    from shared.events import BlobRef
+    ref = BlobRef(digest="sha256:" + "0" * 64, size=1)
+    assert batch_ready_data(6, batch, ref).stale_executions == 1  # the event says so (the run report counts it)
     assert batch.executions[0].advantage == pytest.approx(1.0, rel=1e-5)  # normalised with the stale reward
     assert set(np.concatenate([mb.policy_version for mb in batch.micro_batches]).tolist()) == {5}
