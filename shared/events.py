@@ -316,6 +316,17 @@ class WeightsPublished(EventData):
     format: Literal["safetensors"] = "safetensors"
 
 
+@register
+class WeightsLoaded(EventData):
+    """A rollout worker serves `version` from now on (it loaded a `weights.published`): the scheduler dispatches
+    a query only once the rollout cells serve a version its staleness bound allows."""
+
+    TYPE: ClassVar[str] = "weights.loaded"
+    cell_id: str
+    worker_id: str
+    version: int = Field(ge=0)
+
+
 # ---- envelope --------------------------------------------------------------------------------------
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.rollout.router import Router, WorkerDirectory
-from shared.events import CellDraining, Event, EventData, WeightsPublished, stream_id_for
+from shared.events import CellDraining, Event, EventData, WeightsLoaded, WeightsPublished, stream_id_for
 from shared.logging import configure_logging
 from shared.runtime import Service
 from shared.settings import Settings, load_settings
@@ -124,6 +124,10 @@ class RolloutWorkerService(Service):
     async def handle(self, event: Event, tx: Transaction) -> None:
         if isinstance(event.data, WeightsPublished):
             await self._load(event)
+            w = self.worker
+            loaded = WeightsLoaded(cell_id=w.cell_id, worker_id=w.worker_id, version=w.policy_version)
+            tx.append([self.event(loaded, stream_id=stream_id_for("cell", w.cell_id), cause=event)],
+                      expected_version="any")
         elif isinstance(event.data, CellDraining) and self._drains_me(event):
             from services.rollout.protocol import DrainRequest
 

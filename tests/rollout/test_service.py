@@ -104,9 +104,13 @@ async def test_worker_service_loads_published_weights_from_the_blob_store(store)
     ref = await store.put_blob(save(weights), media_type="application/x-safetensors")
     event = new_event(WeightsPublished(version=4, step=3, weights=ref), run_id="run-w", stream_id="step-3",
                       version=1, occurred_at=datetime.now(UTC))
-    await service.handle(event, None)
+    async with store.transaction() as tx:
+        await service.handle(event, tx)
     assert service.worker.policy_version == 4
     assert torch.equal(RecordingEngine.loaded["layer.weight"], weights["layer.weight"])
+    # The scheduler learns the cell serves version 4 (it dispatches on the version served).
+    loaded = [s.event.data for s in await store.read_stream("cell-9") if s.event.type == "weights.loaded"]
+    assert [(w.cell_id, w.worker_id, w.version) for w in loaded] == [("cell-9", "w9", 4)]
 
 
 async def test_worker_drains_only_on_its_own_rollout_drain_issued_after_it_started() -> None:
