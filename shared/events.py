@@ -279,8 +279,9 @@ class ExecutionScored(_Extended):
 
 
 @register
-class BatchReady(EventData):
+class BatchReady(_Extended):
     TYPE: ClassVar[str] = "batch.ready"
+    WRITTEN_WHEN_SET: ClassVar[tuple[str, ...]] = ("stale_executions",)
     step: int = Field(ge=0)
     batch: BlobRef
     query_ids: list[str]
