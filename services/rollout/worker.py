@@ -212,9 +212,10 @@ class RolloutWorker:
             del self.sessions[k]
         self.moved.pop(execution_id, None)
         now = time.monotonic()
-        self.ended[execution_id] = now
-        for old in [e for e, at in self.ended.items() if now - at > ENDED_KEEP_S]:
-            del self.ended[old]
+        self.ended.pop(execution_id, None)
+        self.ended[execution_id] = now  # insertion order is end order: the oldest come first
+        while now - next(iter(self.ended.values())) > ENDED_KEEP_S:
+            del self.ended[next(iter(self.ended))]
         if keys:
             self._on_change()
         return len(keys)

@@ -114,34 +114,43 @@ async def test_a_dispatched_query_runs_its_group_and_scores_each_execution(store
             assert e.stream_id == stream_id_for("execution", e.data.execution_id)
 
 
-async def test_restart_marks_unfinished_executions_timed_out_and_grades_preserved_work(store, bus, infra, tmp_path):
+async def recover_crashed(store, bus, infra, tmp_path, run_id: str,
+                          executions: dict[str, tuple[bool, int]]) -> list:
+    """What a harness that died left: `executions` maps each execution id to (its workspace holds the answer,
+    model calls it made). A fresh service recovers them; returns the run's events once each is ended and scored."""
     from services.trajectory.synthetic import ExecutionLog
 
-    run_id = unique("run-")
     server = gateway([])
     work = tmp_path / "executions"
-    # Three executions were running when the harness died: one had made two model calls and written the
-    # answer, one had not started, and one had its workspace (here one that would pass) but no model call yet.
-    done_id, empty_id, uncalled_id = "qc-s0", "qc-s1", "qc-s2"
-    for eid in (done_id, uncalled_id):
-        (work / eid / "work").mkdir(parents=True)
-        (work / eid / "work" / "hello.txt").write_text("hello world\n")
-    for i, eid in enumerate((done_id, empty_id, uncalled_id)):
-        log = ExecutionLog(eid, query_id="qc", run_id=run_id, task_id="create-file-1", group_size=3,
-                           sample_index=i, seed=i)
+    for i, (eid, (answered, calls)) in enumerate(executions.items()):
+        if answered:
+            (work / eid / "work").mkdir(parents=True)
+            (work / eid / "work" / "hello.txt").write_text("hello world\n")
+        log = ExecutionLog(eid, query_id=eid.rsplit("-", 1)[0], run_id=run_id, task_id="create-file-1",
+                           group_size=len(executions), sample_index=i, seed=i)
         log.start()
-        if eid == done_id:
-            log.call([1, 2, 3], [4, 5])
-            log.call([1, 2, 3, 4, 5, 6], [7])
+        prompt = [1, 2, 3]
+        for c in range(calls):
+            log.call(prompt, [4 + c])
+            prompt = [*prompt, 4 + c, 9]
         assert log.stream_id == stream_id_for("execution", eid)
         await store.append(log.events)
     svc = service(infra, store, bus, tmp_path, server, run_id)
+    n = len(executions)
     try:
         await svc.start()
-        events = await wait_for_types(store, run_id, {"execution.timed_out": 3, "execution.scored": 3})
+        return await wait_for_types(store, run_id, {"execution.timed_out": n, "execution.scored": n})
     finally:
         await svc.stop()
         server.stop()
+
+
+async def test_restart_marks_unfinished_executions_timed_out_and_grades_preserved_work(store, bus, infra, tmp_path):
+    # Three executions were running when the harness died: one had made two model calls and written the
+    # answer, one had not started, and one had its workspace (here one that would pass) but no model call yet.
+    done_id, empty_id, uncalled_id = "qc-s0", "qc-s1", "qc-s2"
+    events = await recover_crashed(store, bus, infra, tmp_path, unique("run-"),
+                                   {done_id: (True, 2), empty_id: (False, 0), uncalled_id: (True, 0)})
     timed_out = {e.data.execution_id: (e.data.budget, e.data.calls) for e in events if e.type == "execution.timed_out"}
     # The crash mark reports the calls the log holds, so the trajectory keeps the work done before the crash.
     assert timed_out == {done_id: ("crash", 2), empty_id: ("crash", 0), uncalled_id: ("crash", 0)}
@@ -291,11 +300,7 @@ async def test_recovery_scores_an_execution_it_cannot_grade_and_goes_on(store, b
     infrastructure failure, and the service starts and recovers the others rather than crash-loop."""
     import services.harness.service as harness_service
     from services.harness.sandbox import SandboxError
-    from services.trajectory.synthetic import ExecutionLog
 
-    run_id = unique("run-")
-    server = gateway([])
-    work = tmp_path / "executions"
     graded = harness_service.grade_preserved
 
     def grade_or_fail(task, state_dir, **kwargs):
@@ -304,21 +309,8 @@ async def test_recovery_scores_an_execution_it_cannot_grade_and_goes_on(store, b
         return graded(task, state_dir, **kwargs)
 
     monkeypatch.setattr(harness_service, "grade_preserved", grade_or_fail)
-    for i, eid in enumerate(("qg-s0", "qg-s1")):
-        (work / eid / "work").mkdir(parents=True)
-        (work / eid / "work" / "hello.txt").write_text("hello world\n")
-        log = ExecutionLog(eid, query_id="qg", run_id=run_id, task_id="create-file-1", group_size=2,
-                           sample_index=i, seed=i)
-        log.start()
-        log.call([1, 2, 3], [4, 5])
-        await store.append(log.events)
-    svc = service(infra, store, bus, tmp_path, server, run_id)
-    try:
-        await svc.start()
-        events = await wait_for_types(store, run_id, {"execution.timed_out": 2, "execution.scored": 2})
-    finally:
-        await svc.stop()
-        server.stop()
+    events = await recover_crashed(store, bus, infra, tmp_path, unique("run-"),
+                                   {"qg-s0": (True, 1), "qg-s1": (True, 1)})
     scored = {e.data.execution_id: e.data for e in events if e.type == "execution.scored"}
     assert scored["qg-s0"].reward == 0.0 and "no free sandbox uid" in scored["qg-s0"].infra_failure
     assert scored["qg-s1"].reward == 1.0 and scored["qg-s1"].infra_failure is None
