@@ -319,8 +319,8 @@ class WeightsPublished(EventData):
 
 @register
 class WeightsLoaded(EventData):
-    """A rollout worker serves `version` from now on (it loaded a `weights.published`): the scheduler dispatches
-    a query only once the rollout cells serve a version its staleness bound allows."""
+    """A rollout worker serves `version` from now on (it loaded a `weights.published`): how far the served
+    policy trails the trainer's, which the scheduler's staleness check does not see (docs/operating.md)."""
 
     TYPE: ClassVar[str] = "weights.loaded"
     cell_id: str

@@ -307,7 +307,7 @@ class _LoggedRecorder:
         line.users += 1
         try:
             async with line.lock:
-                log = placement = None
+                placement = None
                 try:
                     log = await self._log_for(call.execution_id, line)
                     placement = log.place(call.prompt, new_chain=call.new_chain)
