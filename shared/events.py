@@ -162,6 +162,19 @@ class KvMigrated(EventData):
 
 
 @register
+class KvMigrationOrdered(EventData):
+    """The scheduler orders one live session moved to another rollout cell (a policy's `MigrateSession`):
+    the worker of `from_cell` moves it to the worker of `to_cell` or, if that one cannot take it, keeps it."""
+
+    TYPE: ClassVar[str] = "kv.migration_ordered"
+    execution_id: str
+    from_cell: str
+    to_cell: str
+    policy: str
+    reason: str = ""
+
+
+@register
 class CallCompleted(EventData):
     """One model call. Token arrays live in `record` (see shared.calls); the rest is a summary for readers."""
 

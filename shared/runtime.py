@@ -112,7 +112,10 @@ class Service:
 
     def _task_ended(self, task: asyncio.Task[Any]) -> None:
         """A consumer or background task that dies with an error leaves the process up but not working:
-        log it and report the service unhealthy, so a supervisor can restart it (it resumes from the log)."""
+        log it and report the service unhealthy, so a supervisor can restart it (it resumes from the log).
+        A finished task is forgotten: a long-lived service spawns one per drain or ordered session move."""
+        if task in self._tasks:
+            self._tasks.remove(task)
         if task.cancelled() or (exc := task.exception()) is None:
             return
         self.failed_tasks.append(task.get_name())

@@ -17,7 +17,15 @@ from typing import Any
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.rollout.router import Router, WorkerDirectory
-from shared.events import CellDraining, Event, EventData, WeightsLoaded, WeightsPublished, stream_id_for
+from shared.events import (
+    CellDraining,
+    Event,
+    EventData,
+    KvMigrationOrdered,
+    WeightsLoaded,
+    WeightsPublished,
+    stream_id_for,
+)
 from shared.logging import configure_logging
 from shared.runtime import Service
 from shared.settings import Settings, load_settings
@@ -88,7 +96,8 @@ class RolloutWorkerService(Service):
         self.log.info("engine_warmed_up", seconds=round(await self.engine.warm_up(), 3))
         self.server = await WorkerServer(self.worker, self.bus, heartbeat_s=r.heartbeat_s).start()
         # Every worker must see every publication: one durable consumer per worker.
-        self.on(["weights.published", "cell.draining"], self.handle, durable=f"rollout-worker-{self.worker.worker_id}")
+        self.on(["weights.published", "cell.draining", "kv.migration_ordered"], self.handle,
+                durable=f"rollout-worker-{self.worker.worker_id}")
 
     async def _emit_data(self, data: list[EventData] | Any) -> None:
         await self.emit([self.event(d, stream_id=stream_id_for("cell", self.worker.cell_id)) for d in data])
@@ -121,8 +130,19 @@ class RolloutWorkerService(Service):
             and event.occurred_at >= self.process_started_at
         )
 
+    def _orders_me(self, event: Event) -> bool:
+        """A session move ordered off this worker's cell since this process began (earlier orders were for the
+        cell's previous worker, whose sessions this one does not hold)."""
+        data = event.data
+        assert isinstance(data, KvMigrationOrdered) and self.worker is not None
+        return data.from_cell == self.worker.cell_id and event.occurred_at >= self.process_started_at
+
     async def handle(self, event: Event, tx: Transaction) -> None:
-        if isinstance(event.data, WeightsPublished):
+        if isinstance(event.data, KvMigrationOrdered):
+            if self._orders_me(event):
+                # Spawned: a move waits for the session's in-flight call, which must not hold up the consumer.
+                self.spawn(self.worker.move_execution(event.data.execution_id, event.data.to_cell), name="move")
+        elif isinstance(event.data, WeightsPublished):
             await self._load(event)
             w = self.worker
             loaded = WeightsLoaded(cell_id=w.cell_id, worker_id=w.worker_id, version=w.policy_version)

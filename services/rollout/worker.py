@@ -309,11 +309,44 @@ class RolloutWorker:
             seconds=time.perf_counter() - started,
         )
 
-    def _pick_target(self, execution_id: str, preferred: Sequence[str], refused: set[str]) -> WorkerStatus:
+    async def move_execution(self, execution_id: str, to_cell: str) -> list[MigrationResult]:
+        """Move one execution's sessions (every chain) to the worker serving `to_cell`, as the scheduler ordered.
+
+        An order is a placement choice, not a must: when this worker drains (its drain moves everything), the
+        execution has no session here (ended, moved), or the target is not an active worker, nothing moves; a
+        target that refuses keeps the session where it is. Returns what moved (each also `kv.migrated`)."""
+        log = self.log.bind(execution_id=execution_id, to_cell=to_cell)
+        if self.state != "active":
+            log.info("ordered_move_skipped", detail=f"worker is {self.state}")
+            return []
+        sessions = [s for k, s in sorted(self.sessions.items()) if k[0] == execution_id]
+        if not sessions:
+            log.info("ordered_move_skipped", detail="no session of the execution here")
+            return []
+        peers = [] if self.peers is None else self.peers.candidates(exclude=self.worker_id)
+        target = next((p for p in peers if p.cell_id == to_cell and p.state == "active"), None)
+        if target is None:
+            log.warning("ordered_move_skipped", detail="no active worker serves the target cell")
+            return []
+        results: list[MigrationResult] = []
+        for session in sessions:
+            try:
+                result = await self._migrate(session, DrainRequest(targets=(target.worker_id,)), only_preferred=True)
+            except Exception as exc:  # refused or failed: the rest of the execution stays with it, here
+                log.warning("ordered_move_failed", chain_id=session.chain_id, error=f"{type(exc).__name__}: {exc}")
+                break
+            if result is not None:
+                results.append(result)
+        return results
+
+    def _pick_target(
+        self, execution_id: str, preferred: Sequence[str], refused: set[str], *, only_preferred: bool = False
+    ) -> WorkerStatus:
         if self.peers is None:
             raise RuntimeError("worker has no peers to migrate to")
         candidates = [c for c in self.peers.candidates(exclude=self.worker_id)
-                      if c.state == "active" and c.worker_id not in refused]
+                      if c.state == "active" and c.worker_id not in refused
+                      and (not only_preferred or c.worker_id in preferred)]
         if not candidates:
             refusals = f"; refused by {sorted(refused)}" if refused else ""
             raise RuntimeError(f"no active worker to migrate to{refusals}")
@@ -364,9 +397,12 @@ class RolloutWorker:
         )
         return "recompute", 0, await self.peers.adopt(target.worker_id, adopt, history)
 
-    async def _migrate(self, session: Session, request: DrainRequest) -> MigrationResult | None:
+    async def _migrate(
+        self, session: Session, request: DrainRequest, *, only_preferred: bool = False
+    ) -> MigrationResult | None:
         """Move one session to another worker; None when there was nothing to move (it ended or moved while the
-        drain waited for its lock, or its execution ended before a target took it)."""
+        drain waited for its lock, or its execution ended before a target took it). With `only_preferred`, only
+        to `request.targets`."""
         assert self.peers is not None
         key = (session.execution_id, session.chain_id)
         async with session.lock:  # an in-flight request on this session completes here first
@@ -377,7 +413,8 @@ class RolloutWorker:
             refused: set[str] = set()
             reply: AdoptReply | None = None
             for _ in range(MIGRATION_TARGETS):
-                target = self._pick_target(session.execution_id, request.targets, refused)
+                target = self._pick_target(session.execution_id, request.targets, refused,
+                                           only_preferred=only_preferred)
                 method, moved_bytes, reply = await self._hand_over(session, target, request)
                 if reply.ok or reply.ended:
                     break

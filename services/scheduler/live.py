@@ -36,6 +36,7 @@ from shared.events import (
     ExecutionStarted,
     ExecutionTimedOut,
     KvMigrated,
+    KvMigrationOrdered,
     QueryDispatched,
     StepCompleted,
     WeightsPublished,
@@ -49,6 +50,7 @@ FOLDED_TYPES: tuple[str, ...] = (
     "cell.released",
     "cell.ready",
     "kv.migrated",
+    "kv.migration_ordered",
     "call.completed",
     "query.dispatched",
     "execution.started",
@@ -171,9 +173,17 @@ class _Cell:
 class _Session:
     execution_id: str
     query_id: str
-    cell_id: str
+    cell_id: str  # where it was last known to be: its placement, the cell serving its calls, its last migration
     step: int
     dispatch_version: int
+    # Per chain, the latest call's (index, prompt + completion tokens): the KV its worker holds for that chain.
+    chain_tokens: dict[str, tuple[int, int]] = field(default_factory=dict)
+    moving_to: str | None = None  # a scheduler-ordered move not yet seen done
+    ordered_at_s: float = 0.0
+    left_cell: str | None = None  # the cell its last migration left: a call recorded there late moves nothing
+
+    def context_tokens(self) -> int:
+        return sum(tokens for _, tokens in self.chain_tokens.values())
 
 
 @dataclass(slots=True)
@@ -193,7 +203,10 @@ class RunView:
     they finish or time out. A session's cell is where the policy placed it (the dispatch's `placements`,
     which the router follows while that cell takes sessions), then where its calls are served
     (`call.completed`) and where it migrates (`kv.migrated`). A dispatch without placements is spread
-    over the cells taking sessions, least loaded first, as the router does.
+    over the cells taking sessions, least loaded first, as the router does. A session's context (and KV,
+    counted in tokens) is the sum over its chains of the latest call's prompt and completion. A move the
+    scheduler ordered (`kv.migration_ordered`) shows the session migrating onto its target until the
+    worker reports it moved, or for `migration_timeout_s` (a worker that could not move it keeps it).
     """
 
     plan: QueryPlan
@@ -202,6 +215,7 @@ class RunView:
     default_kv_tokens: int
     budget_cells: int = 0  # 0: every registered cell
     switch_costs: SwitchCosts = field(default_factory=SwitchCosts)
+    migration_timeout_s: float = 120.0  # an ordered move not reported done by then is taken as not made
 
     origin: datetime | None = None
     cells: dict[str, _Cell] = field(default_factory=dict)
@@ -252,13 +266,12 @@ class RunView:
                     self.switch_samples.setdefault(role, []).append(data.switch_seconds)
                 cell.role, cell.state, cell.role_since_s, cell.leaving = role, CellState.ACTIVE, at, None
             case KvMigrated():
-                self._seen_on(data.execution_id, data.to_cell)
+                self._migrated(data)
+            case KvMigrationOrdered():
+                if (session := self._session(data.execution_id)) is not None:
+                    session.moving_to, session.ordered_at_s = data.to_cell, at
             case CallCompleted():
-                # Recorded by the gateway, while a drain's kv.migrated comes from the worker: the last call a
-                # cell served can land after its sessions moved off it. A cell that left rollout holds none.
-                served_by = self.cells.get(data.cell_id)
-                if served_by is not None and served_by.role is Role.ROLLOUT:
-                    self._seen_on(data.execution_id, data.cell_id)
+                self._served(data)
             case QueryDispatched():
                 self._dispatched(data)
             case ExecutionStarted():
@@ -325,14 +338,40 @@ class RunView:
             )
             self.session_of[execution_id] = (data.query_id, sample)
 
-    def _seen_on(self, execution_id: str, cell_id: str) -> None:
+    def _session(self, execution_id: str) -> _Session | None:
         key = self.session_of.get(execution_id)
-        if key is not None and cell_id:
-            self.sessions[key].cell_id = cell_id
+        return None if key is None else self.sessions[key]
+
+    def _migrated(self, data: KvMigrated) -> None:
+        session = self._session(data.execution_id)
+        if session is None or not data.to_cell:
+            return
+        session.cell_id, session.left_cell, session.moving_to = data.to_cell, data.from_cell, None
+
+    def _served(self, data: CallCompleted) -> None:
+        session = self._session(data.execution_id)
+        if session is None:
+            return
+        latest = session.chain_tokens.get(data.chain_id)
+        if latest is None or data.call_index >= latest[0]:
+            session.chain_tokens[data.chain_id] = (data.call_index, data.prompt_tokens + data.completion_tokens)
+        # Recorded by the gateway, while kv.migrated comes from the worker: the last call a cell served can land
+        # after the session moved off it. A cell that left rollout holds none.
+        served_by = self.cells.get(data.cell_id)
+        if served_by is None or served_by.role is not Role.ROLLOUT or data.cell_id == session.left_cell:
+            return
+        session.cell_id, session.left_cell = data.cell_id, None
+        if session.moving_to == data.cell_id:
+            session.moving_to = None
 
     def _move_sessions_off(self, cell_id: str) -> None:
         """A cell leaving rollout: its worker migrates its sessions to the least loaded other rollout
-        cells (mirrored here), or, with none left (a colocate pool turning to training), they stay parked."""
+        cells (mirrored here), or, with none left (a colocate pool turning to training), they stay parked.
+        A move ordered onto it will not happen (its worker refuses while draining); one ordered off it
+        to a cell still in rollout is taken as where the session goes."""
+        for s in self.sessions.values():
+            if s.moving_to == cell_id:
+                s.moving_to = None
         others = [c.cell_id for c in self.cells.values() if c.role is Role.ROLLOUT and c.cell_id != cell_id]
         if not others:
             return
@@ -341,8 +380,9 @@ class RunView:
             if s.cell_id in load:
                 load[s.cell_id] += 1
         for key in sorted(k for k, s in self.sessions.items() if s.cell_id == cell_id):
-            target = min(load, key=lambda c: (load[c], c))
-            self.sessions[key].cell_id = target
+            session = self.sessions[key]
+            target = session.moving_to if session.moving_to in load else min(load, key=lambda c: (load[c], c))
+            session.cell_id, session.moving_to = target, None
             load[target] += 1
 
     def _started(self, data: ExecutionStarted) -> None:
@@ -400,6 +440,13 @@ class RunView:
             migration_bytes_per_s=self.switch_costs.migration_bytes_per_s,
         )
 
+    def _live(self, s: _Session, now_s: float) -> LiveExecution:
+        moving = s.moving_to is not None and now_s - s.ordered_at_s < self.migration_timeout_s
+        context = s.context_tokens()
+        # KV is counted in tokens on the live side (cells register their capacity in tokens).
+        return LiveExecution(s.execution_id, s.query_id, s.moving_to if moving and s.moving_to else s.cell_id,
+                             context, context, s.dispatch_version, s.step, moving)
+
     def snapshot(self, now_s: float) -> Snapshot:
         version = self.policy_version
         reserve = self.session_reserve_tokens
@@ -407,10 +454,7 @@ class RunView:
             CellView(c.cell_id, c.role, c.state, c.kv_tokens, c.role_since_s)
             for c in sorted(self.cells.values(), key=lambda c: c.cell_id)
         )
-        live = tuple(
-            LiveExecution(s.execution_id, s.query_id, s.cell_id, 0, 0, s.dispatch_version, s.step)
-            for s in sorted(self.sessions.values(), key=lambda s: s.execution_id)
-        )
+        live = tuple(self._live(s, now_s) for s in sorted(self.sessions.values(), key=lambda s: s.execution_id))
         finished = tuple(f for _, f in sorted(self.finished.items()) if f.batch >= version)
         backlog = sum(tokens for step, tokens in self.batch_tokens.items() if step >= version)
         trainer = TrainerView(

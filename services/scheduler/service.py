@@ -30,7 +30,7 @@ from services.scheduler.policies import (
     apply_actions,
     make_policy,
 )
-from shared.events import CellAssigned, Event, stream_id_for
+from shared.events import CellAssigned, Event, KvMigrationOrdered, stream_id_for
 from shared.logging import configure_logging
 from shared.runtime import Service, utcnow
 from shared.settings import Settings, load_settings
@@ -61,6 +61,8 @@ class SchedulerSettings(BaseSettings):
     session_reserve_tokens: int = Field(default=8192, ge=1)  # KV one session reserves on its cell
     default_kv_tokens: int = Field(default=1 << 20, ge=1)  # a cell that registers capacity 0
     fill: float = Field(default=0.9, gt=0, le=1)
+    # An ordered session move the worker has not reported done by then is taken as not made (it may be ordered again).
+    migration_timeout_s: float = Field(default=120.0, gt=0)
     # Colocate's run-ahead parks in-flight sessions through each training phase. A live engine that is
     # stopped for training (vLLM on CPU has no sleep mode) cannot hold them, and their calls would fail
     # while the pool trains; so live colocate runs synchronously unless asked (the simulator parks).
@@ -103,6 +105,7 @@ class SchedulerService(Service):
             session_reserve_tokens=self.sched.session_reserve_tokens,
             default_kv_tokens=self.sched.default_kv_tokens,
             budget_cells=self.sched.budget_cells,
+            migration_timeout_s=self.sched.migration_timeout_s,
         )
         self.position = 0
         self.ticks = 0
@@ -232,9 +235,19 @@ class SchedulerService(Service):
                     emitted.append(event)
                     self.log.info("query_dispatched", query_id=query_id, step=data.step, task_id=data.task_id,
                                   policy_version=version)
-                case DrainCell() | MigrateSession():
-                    # The rollout worker of a cell leaving rollout migrates its own sessions when its cell
-                    # agent announces cell.draining, so fine-grained drains and moves are not ordered here.
+                case MigrateSession(execution_id=execution_id, from_cell=src, to_cell=dst):
+                    # The source cell's worker moves it (its KV, else a recompute) and reports kv.migrated.
+                    event = self.event(
+                        KvMigrationOrdered(execution_id=execution_id, from_cell=src, to_cell=dst,
+                                           policy=self.settings.mode, reason=_reason(snapshot, "rollout")),
+                        stream_id=stream_id_for("cell", src),
+                    )
+                    await self.emit([event], expected_version="any")
+                    emitted.append(event)
+                    self.log.info("migration_ordered", execution_id=execution_id, from_cell=src, to_cell=dst)
+                case DrainCell():
+                    # A cell leaving rollout is drained by its cell agent (cell.draining), whose worker then
+                    # moves every session left on it; a drain on its own orders nothing.
                     self.log.info("action_left_to_workers", action=repr(action))
         return emitted
 

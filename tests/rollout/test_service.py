@@ -134,3 +134,31 @@ async def test_worker_drains_only_on_its_own_rollout_drain_issued_after_it_start
     assert not service._drains_me(drain("cell-3", "train", 1.0))  # noqa: SLF001
     assert not service._drains_me(drain("cell-3", "rollout", -5.0))  # noqa: SLF001
     assert not service._drains_me(drain("cell-4", "rollout", 1.0))  # noqa: SLF001
+
+
+async def test_worker_carries_out_only_moves_ordered_off_its_own_cell_since_it_started() -> None:
+    from datetime import timedelta
+
+    from services.rollout.service import RolloutWorkerService
+    from shared.events import KvMigrationOrdered
+    from tests.rollout.fakes import CharCodec
+
+    service = RolloutWorkerService(Settings(run_id="run-o"), RolloutSettings(cell_id="cell-3"))
+    service.worker = RolloutWorker(ScriptedEngine(CharCodec()), worker_id="w3", cell_id="cell-3")
+    moves: list[tuple[str, str]] = []
+
+    async def move_execution(execution_id: str, to_cell: str) -> list:
+        moves.append((execution_id, to_cell))
+        return []
+
+    service.worker.move_execution = move_execution  # type: ignore[method-assign]
+
+    def order(from_cell: str, seconds_after_start: float):
+        return new_event(KvMigrationOrdered(execution_id="e1", from_cell=from_cell, to_cell="cell-5", policy="elastic"),
+                         run_id="run-o", stream_id=f"cell-{from_cell}", version=1,
+                         occurred_at=service.process_started_at + timedelta(seconds=seconds_after_start))
+
+    for event in (order("cell-3", 1.0), order("cell-4", 1.0), order("cell-3", -5.0)):
+        await service.handle(event, None)  # type: ignore[arg-type]
+    await asyncio.sleep(0)  # the move runs as a task of its own
+    assert moves == [("e1", "cell-5")]

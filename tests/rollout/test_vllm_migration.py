@@ -41,19 +41,26 @@ async def engines(model_dir, tmp_path_factory):
     await b.close()
 
 
-async def test_live_session_moves_to_another_worker_with_its_kv_and_continues_identically(engines,
-                                                                                         model_dir) -> None:
-    a, b = engines
+def two_workers(engines, model_dir):
+    """A gateway stack over both engines whose new executions start on w0 (w1 looks busy draining until the test
+    lets it take sessions); returns it, the codec and the events its workers emit."""
     events: list = []
 
     async def emit(data):
         events.extend(data)
 
     codec = TokenizerCodec.from_model_dir(model_dir)
-    stack = build_stack([a, b], codec, emit=emit)
-    w0, w1 = stack.local.workers["w0"], stack.local.workers["w1"]
-    w1.state = "draining"  # place both executions on w0
+    stack = build_stack(list(engines), codec, emit=emit)
+    stack.local.workers["w1"].state = "draining"
     stack.refresh()
+    return stack, codec, events
+
+
+async def test_live_session_moves_to_another_worker_with_its_kv_and_continues_identically(engines,
+                                                                                         model_dir) -> None:
+    a, _ = engines
+    stack, codec, events = two_workers(engines, model_dir)
+    w0, w1 = stack.local.workers["w0"], stack.local.workers["w1"]
     client = stack.anthropic(stack.registry.register("m-1"))
     turn1 = [{"role": "user", "content": "Look at the repository and report."}]
     msg = await client.messages.create(model="tiny", system=SYSTEM, max_tokens=16, extra_body=GREEDY, messages=turn1)
@@ -103,3 +110,29 @@ async def test_warm_up_serves_one_request_and_leaves_no_kv_behind(engines) -> No
     a, _ = engines
     assert await a.warm_up() > 0
     assert a.kv_bytes(list(range(1, 17))) == 0
+
+
+async def test_an_ordered_move_takes_one_execution_with_its_kv_and_leaves_the_others(engines, model_dir) -> None:
+    stack, _, events = two_workers(engines, model_dir)
+    w0, w1 = stack.local.workers["w0"], stack.local.workers["w1"]
+    turn1 = [{"role": "user", "content": "Look at the repository and report."}]
+    mover, stayer = stack.anthropic(stack.registry.register("o-1")), stack.anthropic(stack.registry.register("o-2"))
+    msg = await mover.messages.create(model="tiny", system=SYSTEM, max_tokens=16, extra_body=GREEDY, messages=turn1)
+    await stayer.messages.create(model="tiny", system=SYSTEM, max_tokens=8, messages=turn1)
+    w1.state = "active"
+    stack.refresh()
+
+    moved = await w0.move_execution("o-1", "cell-1")
+    assert [(m.execution_id, m.to_worker, m.method) for m in moved] == [("o-1", "w1", "kv")]
+    assert moved[0].cached_tokens > 0
+    assert [(e.execution_id, e.to_cell, e.method) for e in events if isinstance(e, KvMigrated)] == [
+        ("o-1", "cell-1", "kv")]
+    assert w0.executions() == {"o-2"} and w0.state == "active"
+    stack.refresh()
+    turn2 = turn1 + [{"role": "assistant", "content": [c.model_dump(exclude_none=True) for c in msg.content]},
+                     {"role": "user", "content": "Now continue."}]
+    again = await mover.messages.create(model="tiny", system=SYSTEM, max_tokens=16, extra_body=GREEDY, messages=turn2)
+    assert stack.recorder.calls("o-1")[-1].cell_id == "cell-1" and again.usage.cache_read_input_tokens > 0
+    await stayer.messages.create(model="tiny", system=SYSTEM, max_tokens=8, messages=turn1 + [
+        {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}])
+    assert stack.recorder.calls("o-2")[-1].cell_id == "cell-0"

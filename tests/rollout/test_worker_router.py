@@ -454,3 +454,56 @@ async def test_a_chain_still_here_is_served_here_while_another_chain_of_its_exec
     more = np.arange(300, 310, dtype=np.int32)
     reply = await workers[0].generate(request("X", history, more, chain_id="main"), more)  # ... main has not
     assert reply.status == "ok" and reply.worker_id == "w0"
+
+
+async def test_an_ordered_move_takes_every_chain_of_its_execution_to_the_named_cell_and_calls_follow() -> None:
+    events: list = []
+
+    async def emit(data):
+        events.extend(data)
+
+    local, workers, router, _ = _pool([ScriptedEngine(CODEC) for _ in range(3)])
+    workers[0]._emit = emit
+    main = await _start_on(router, workers, 0, "X")
+    await _start_on(router, workers, 0, "X", chain_id="sub-1", prompt=np.arange(500, 540, dtype=np.int32))
+    await _start_on(router, workers, 0, "Y")
+    await _start_on(router, workers, 2, "Z")  # the named cell is the busier one: the order, not the load, decides
+    moved = await workers[0].move_execution("X", "c2")
+    assert sorted((m.chain_id, m.to_worker) for m in moved) == [("main", "w2"), ("sub-1", "w2")]
+    assert set(workers[0].sessions) == {("Y", "main")} and workers[0].moved == {"X": "w2"}
+    assert {("X", "main"), ("X", "sub-1")} <= set(workers[2].sessions) and not workers[1].sessions
+    assert [(e.execution_id, e.from_cell, e.to_cell) for e in events] == [("X", "c0", "c2")] * 2
+    assert workers[0].state == "active"  # an ordered move is not a drain: new sessions still come here
+    # The next call of X reaches the source (the router's sticky choice), is told where X went, and follows it.
+    history = np.concatenate([np.arange(100, 140, dtype=np.int32), np.asarray(main.completion, np.int32)])
+    reply = await router.generate(execution_id="X", chain_id="main",
+                                  prompt=np.concatenate([history, np.arange(300, 310, dtype=np.int32)]),
+                                  sampling=SamplingSpec(max_tokens=20), request_id="call-1")
+    assert reply.status == "ok" and reply.worker_id == "w2"
+    assert len(workers[2].engine.prompts) == 1 + 2 + 1  # Z, the two adopted prefills, then only this call
+
+
+async def test_an_ordered_move_that_cannot_be_made_leaves_the_session_where_it_is() -> None:
+    local, workers, router, directory = _pool([ScriptedEngine(CODEC) for _ in range(3)])
+    await _start_on(router, workers, 0, "X")
+    assert await workers[0].move_execution("X", "c9") == []  # no worker serves that cell
+    assert await workers[0].move_execution("nobody", "c1") == []  # no session of it here
+    workers[1].state = "draining"
+    workers[1]._on_change()
+    assert await workers[0].move_execution("X", "c1") == []  # the named target does not take sessions
+    stale = {w.worker_id: w.status() for w in workers}
+    workers[2].state = "draining"  # ... and one whose heartbeat has not said so yet refuses the adopt
+
+    class LaggingPeers:
+        def candidates(self, exclude):
+            return [s for k, s in sorted(stale.items()) if k != exclude]
+
+        adopt = local.adopt
+
+    workers[0].peers = LaggingPeers()  # type: ignore[assignment]
+    assert await workers[0].move_execution("X", "c2") == []  # refused: not sent to another worker instead
+    assert list(workers[0].sessions) == [("X", "main")] and workers[0].moved == {}
+    assert not workers[1].sessions and not workers[2].sessions
+    workers[0].state = "draining"  # a draining worker leaves its sessions to the drain
+    workers[2].state = "active"
+    assert await workers[0].move_execution("X", "c2") == []

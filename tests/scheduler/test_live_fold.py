@@ -25,6 +25,7 @@ from shared.events import (
     ExecutionStarted,
     ExecutionTimedOut,
     KvMigrated,
+    KvMigrationOrdered,
     StepCompleted,
     WeightsPublished,
     new_event,
@@ -226,6 +227,73 @@ def test_sessions_sit_where_the_policy_placed_them_then_where_their_calls_are_se
                               prompt_tokens=3, new_prompt_tokens=3, completion_tokens=1, policy_version=0,
                               cell_id="c0")))
     assert {e.execution_id: e.cell_id for e in v.snapshot(0).live} == {"r1-step0-q0-s0": "c2", "r1-step0-q0-s1": "c1"}
+
+
+def call(execution_id: str, cell: str, index: int, prompt: int, completion: int, chain: str = "main") -> CallCompleted:
+    return CallCompleted(execution_id=execution_id, call_id=f"{execution_id}-{chain}-{index}", call_index=index,
+                         record=REF, prompt_tokens=prompt, new_prompt_tokens=prompt, completion_tokens=completion,
+                         policy_version=0, cell_id=cell, chain_id=chain)
+
+
+def test_a_sessions_context_is_the_latest_call_of_each_of_its_chains() -> None:
+    v, log = view(), Log()
+    ready_cells(v, log, {"c0": "rollout"})
+    v.apply(log(v.plan.dispatch(0, policy_version=0)))
+    v.apply(log(call("r1-step0-q0-s0", "c0", 0, prompt=100, completion=20)))
+    v.apply(log(call("r1-step0-q0-s0", "c0", 1, prompt=150, completion=30)))
+    v.apply(log(call("r1-step0-q0-s0", "c0", 2, prompt=40, completion=5, chain="sub-1")))  # a delegation's chain
+    v.apply(log(call("r1-step0-q0-s0", "c0", 0, prompt=100, completion=20)))  # a duplicate of an older call
+    live = {e.execution_id: e for e in v.snapshot(0).live}
+    assert live["r1-step0-q0-s0"].context_tokens == 180 + 45
+    assert live["r1-step0-q0-s0"].kv_bytes == 225  # live KV is counted in tokens, as cells register capacity
+    assert live["r1-step0-q0-s1"].context_tokens == 0  # no call yet
+    # A session past its reserve reserves what it holds.
+    snap = v.snapshot(0)
+    assert snap.reserved_bytes(live["r1-step0-q0-s0"]) == 225 and snap.reserved_bytes(live["r1-step0-q0-s1"]) == 10
+
+
+def test_an_ordered_move_shows_the_session_migrating_onto_its_target_until_the_worker_reports_it() -> None:
+    v, log = view(), Log()
+    ready_cells(v, log, {"c0": "rollout", "c1": "rollout"})
+    v.apply(log(v.plan.dispatch(0, policy_version=0, placements=("c0", "c0"))))
+    v.apply(log(KvMigrationOrdered(execution_id="r1-step0-q0-s0", from_cell="c0", to_cell="c1", policy="elastic")))
+    at = float(log.t)
+    live = {e.execution_id: e for e in v.snapshot(at).live}
+    assert (live["r1-step0-q0-s0"].cell_id, live["r1-step0-q0-s0"].migrating) == ("c1", True)
+    assert (live["r1-step0-q0-s1"].cell_id, live["r1-step0-q0-s1"].migrating) == ("c0", False)
+    # A call the source served before the move is recorded now: the move still stands.
+    v.apply(log(call("r1-step0-q0-s0", "c0", 0, prompt=10, completion=2)))
+    assert {e.execution_id: (e.cell_id, e.migrating) for e in v.snapshot(at).live}["r1-step0-q0-s0"] == ("c1", True)
+    v.apply(log(KvMigrated(execution_id="r1-step0-q0-s0", from_cell="c0", to_cell="c1", tokens=12, bytes=0,
+                           seconds=0.1, method="recompute")))
+    # ... and one recorded after the worker's report does not send it back to the cell it left.
+    v.apply(log(call("r1-step0-q0-s0", "c0", 1, prompt=14, completion=2)))
+    assert {e.execution_id: (e.cell_id, e.migrating) for e in v.snapshot(at).live}["r1-step0-q0-s0"] == ("c1", False)
+    v.apply(log(call("r1-step0-q0-s0", "c1", 2, prompt=18, completion=2)))
+    assert {e.execution_id: e.cell_id for e in v.snapshot(at).live}["r1-step0-q0-s0"] == "c1"
+
+
+def test_an_ordered_move_nobody_reports_lapses_and_one_onto_a_cell_leaving_rollout_is_void() -> None:
+    v = RunView(plan=plan(), max_staleness=0, session_reserve_tokens=10, default_kv_tokens=1000,
+                migration_timeout_s=60.0)
+    log = Log()
+    ready_cells(v, log, {"c0": "rollout", "c1": "rollout", "c2": "rollout"})
+    v.apply(log(v.plan.dispatch(0, policy_version=0, placements=("c0", "c0"))))
+    v.apply(log(KvMigrationOrdered(execution_id="r1-step0-q0-s0", from_cell="c0", to_cell="c1", policy="elastic")))
+    at = v.seconds_at(T0 + timedelta(seconds=log.t))  # the order's time on the snapshot's axis
+    assert {e.execution_id: e.migrating for e in v.snapshot(at + 59).live}["r1-step0-q0-s0"]
+    # The worker could not move it (target refused, say): after the timeout it is where it was, to be decided again.
+    lapsed = {e.execution_id: (e.cell_id, e.migrating) for e in v.snapshot(at + 61).live}
+    assert lapsed["r1-step0-q0-s0"] == ("c0", False)
+    v.apply(log(KvMigrationOrdered(execution_id="r1-step0-q0-s1", from_cell="c0", to_cell="c2", policy="elastic")))
+    v.apply(log(CellAssigned(cell_id="c2", role="train", policy="elastic")))  # its target drains: it stays on c0
+    assert {e.execution_id: (e.cell_id, e.migrating) for e in v.snapshot(float(log.t)).live}["r1-step0-q0-s1"] == (
+        "c0", False)
+    # A move ordered off a cell that then leaves rollout is where its session goes.
+    v.apply(log(KvMigrationOrdered(execution_id="r1-step0-q0-s1", from_cell="c0", to_cell="c1", policy="elastic")))
+    v.apply(log(CellAssigned(cell_id="c0", role="train", policy="elastic")))
+    assert {e.execution_id: (e.cell_id, e.migrating) for e in v.snapshot(float(log.t)).live} == {
+        "r1-step0-q0-s0": ("c1", False), "r1-step0-q0-s1": ("c1", False)}
 
 
 def test_without_placements_sessions_are_spread_over_cells_that_take_sessions_only() -> None:

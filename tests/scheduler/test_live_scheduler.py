@@ -9,6 +9,7 @@ from collections.abc import Callable
 from services.scheduler.policies import DispatchQuery
 from services.scheduler.service import SchedulerService, SchedulerSettings
 from shared.events import (
+    CellAssigned,
     CellReady,
     CellRegistered,
     EventData,
@@ -223,3 +224,34 @@ async def test_async_with_a_single_cell_decides_nothing_until_a_trainer_cell_joi
     finally:
         await svc.stop()
     assert assigned_roles(assigned) == {"n1-cell0": ["rollout"], "n1-cell1": ["train"]}
+
+
+async def test_elastic_orders_session_moves_live_once_each_and_the_fold_waits_for_them(store, bus, infra):
+    """A decision's MigrateSession becomes kv.migration_ordered (the source cell's worker carries it out); the
+    fold shows the session migrating, so later ticks do not order it again while the move is on its way."""
+    from services.scheduler.live import query_stream
+
+    run_id = unique("run-")
+    svc = scheduler(infra, store, bus, run_id, "elastic", total_steps=1, session_reserve_tokens=1000)
+    cells = ("n1-cell0", "n1-cell1", "n1-cell2")
+    await register(store, run_id, *cells)
+    for cell in cells:  # all three already in rollout, as a previous scheduler left them
+        await append(store, run_id, CellAssigned(cell_id=cell, role="rollout", policy="elastic"), f"cell-{cell}")
+    await ready(store, run_id, dict.fromkeys(cells, "rollout"))
+    for n in range(2):  # both queries of the step were placed on cell0 only
+        data = svc.plan.dispatch(n, policy_version=0, placements=("n1-cell0",) * G)
+        await append(store, run_id, data, query_stream(data.query_id))
+    await svc.start()
+    try:
+        ordered = await wait_until(store, run_id, "kv.migration_ordered", 2)
+        await ticks(svc, 6)
+        ordered = await events_of(store, run_id, "kv.migration_ordered")
+        live = svc.view.snapshot(svc.view.seconds_at(utcnow())).live
+    finally:
+        await svc.stop()
+    moves = [(e.data.execution_id, e.data.from_cell, e.data.to_cell) for e in ordered]
+    assert len({m[0] for m in moves}) == len(moves)  # each session ordered once
+    assert {m[1] for m in moves} == {"n1-cell0"} and {m[2] for m in moves} == {"n1-cell1", "n1-cell2"}
+    assert all(e.data.policy == "elastic" and e.stream_id == "cell-n1-cell0" for e in ordered)
+    by_id = {e.execution_id: e for e in live}
+    assert all(by_id[m[0]].migrating and by_id[m[0]].cell_id == m[2] for m in moves)
