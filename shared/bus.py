@@ -6,6 +6,8 @@ JetStream Object Store.
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import io
 import json
 import re
@@ -41,6 +43,13 @@ class BusError(Exception):
 class ObjectDigestMismatch(BusError):
     def __init__(self, name: str, expected: str, actual: str) -> None:
         super().__init__(f"object {name!r}: expected digest {expected}, read {actual}")
+
+
+class ObjectFetchTimeout(BusError):
+    """An Object Store read stopped arriving (its chunks were purged by a put of the same name, or are gone)."""
+
+    def __init__(self, name: str, size: int, timeout_s: float) -> None:
+        super().__init__(f"object {name!r} ({size} B) did not arrive within {timeout_s:.0f} s")
 
 
 class PublishFailed(BusError):
@@ -318,22 +327,49 @@ class Bus:
         return self._object_store
 
     async def put_object(self, data: bytes, *, name: str | None = None) -> str:
-        """Store bytes under their digest (or `name`); returns the digest."""
+        """Store bytes under their digest (or `name`); returns the digest.
+
+        Under its digest an object is written once: a second put of the same bytes (a trainer publishing
+        weights a step did not change, say) is skipped, because the Object Store replaces an object by writing
+        new chunks and purging the old ones, and a reader still on the old chunks would then wait for ever.
+        A put under an explicit `name` replaces what is there."""
         digest = digest_of(data)
         store = await self._objects()
-        await store.put(name or digest.replace(":", "-"), io.BytesIO(data))
+        key = name or digest.replace(":", "-")
+        if name is None:
+            try:
+                info = await store.get_info(key)
+            except nats.js.errors.NotFoundError:
+                info = None
+            if info is not None and info.size == len(data) and info.digest == _nats_digest(data):
+                return digest
+        await store.put(key, io.BytesIO(data))
         return digest
 
-    async def get_object(self, name_or_digest: str, *, expected_digest: str | None = None) -> bytes:
+    async def get_object(
+        self, name_or_digest: str, *, expected_digest: str | None = None, timeout_s: float | None = None
+    ) -> bytes:
+        """Read an object whole. A read that stalls fails with ObjectFetchTimeout instead of waiting for ever;
+        the default allows 60 s plus 10 s per 100 MB."""
         store = await self._objects()
         name = name_or_digest.replace(":", "-")
+        info = await store.get_info(name)
+        limit = timeout_s if timeout_s is not None else 60.0 + (info.size or 0) / 10e6
         buf = io.BytesIO()
-        await store.get(name, writeinto=buf)
+        try:
+            await asyncio.wait_for(store.get(name, writeinto=buf), limit)
+        except asyncio.TimeoutError:
+            raise ObjectFetchTimeout(name, info.size or 0, limit) from None
         data = buf.getvalue()
         expected = expected_digest or (name_or_digest if name_or_digest.startswith("sha256") else None)
         if expected and digest_of(data) != expected.replace("-", ":", 1):
             raise ObjectDigestMismatch(name, expected, digest_of(data))
         return data
+
+
+def _nats_digest(data: bytes) -> str:
+    """The digest the Object Store records for `data` (ObjectInfo.digest)."""
+    return "SHA-256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()
 
 
 def _json_str(text: str) -> bytes:

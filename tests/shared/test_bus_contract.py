@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import io
+import time
 
 import pytest
 
@@ -12,6 +14,7 @@ from shared.bus import (
     Bus,
     ConsumerOptions,
     ObjectDigestMismatch,
+    ObjectFetchTimeout,
     PoisonMessage,
     PublishFailed,
 )
@@ -312,3 +315,44 @@ async def test_object_store_round_trip_is_digest_checked(nbus: Bus):
     await nbus.put_object(b"other", name="named")
     with pytest.raises(ObjectDigestMismatch):
         await nbus.get_object("named", expected_digest=digest)
+
+
+class _SlowWriter(io.RawIOBase):
+    """A reader's sink that takes its time with each chunk, as a busy process does."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:  # type: ignore[override]
+        time.sleep(0.01)
+        self.data += b
+        return len(b)
+
+
+async def test_a_second_put_of_the_same_bytes_leaves_a_read_in_progress_whole(nbus: Bus):
+    """A trainer whose step changed nothing publishes the same weights again while a worker reads them: the
+    Object Store would replace the object and purge the chunks that read is waiting for (it never returns)."""
+    data = bytes(range(256)) * 16_000  # 4 MB: ~32 chunks, read at ~10 ms each
+    digest = await nbus.put_object(data)
+    store = await nbus._objects()  # noqa: SLF001
+    name = digest.replace(":", "-")
+    before = await store.get_info(name)
+    sink = _SlowWriter()
+    reading = asyncio.create_task(store.get(name, writeinto=sink))
+    await asyncio.sleep(0.05)
+    assert await nbus.put_object(data) == digest
+    await asyncio.wait_for(reading, 30)
+    assert bytes(sink.data) == data
+    assert (await store.get_info(name)).nuid == before.nuid  # written once
+
+
+async def test_a_read_whose_chunks_are_gone_fails_instead_of_waiting_for_ever(nbus: Bus):
+    digest = await nbus.put_object(bytes(range(256)) * 2_000)
+    store = await nbus._objects()  # noqa: SLF001
+    info = await store.get_info(digest.replace(":", "-"))
+    await nbus.js.purge_stream(store._stream, subject=f"$O.{info.bucket}.C.{info.nuid}")  # noqa: SLF001
+    with pytest.raises(ObjectFetchTimeout, match="did not arrive within 1 s"):
+        await nbus.get_object(digest, timeout_s=1.0)
