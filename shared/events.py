@@ -332,8 +332,8 @@ class WeightsPublished(EventData):
 
 @register
 class WeightsLoaded(EventData):
-    """A rollout worker serves `version` from now on (it loaded a `weights.published`): how far the served
-    policy trails the trainer's, which the scheduler's staleness check does not see (docs/operating.md)."""
+    """A rollout worker serves `version` from now on (it loaded a `weights.published`): the scheduler counts
+    the staleness bound from the oldest version the rollout cells serve (docs/operating.md)."""
 
     TYPE: ClassVar[str] = "weights.loaded"
     cell_id: str

@@ -131,11 +131,12 @@ class RolloutWorkerService(Service):
         )
 
     def _orders_me(self, event: Event) -> bool:
-        """A session move ordered off this worker's cell since this process began (earlier orders were for the
-        cell's previous worker, whose sessions this one does not hold)."""
+        """A session move ordered off this worker's cell. Unlike a drain it is not dated against this process's
+        start (the scheduler's clock is another node's): an order for an earlier worker on the cell names
+        sessions this one does not hold, and `move_execution` moves only sessions it holds."""
         data = event.data
         assert isinstance(data, KvMigrationOrdered) and self.worker is not None
-        return data.from_cell == self.worker.cell_id and event.occurred_at >= self.process_started_at
+        return data.from_cell == self.worker.cell_id
 
     async def handle(self, event: Event, tx: Transaction) -> None:
         if isinstance(event.data, KvMigrationOrdered):

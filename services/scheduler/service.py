@@ -113,6 +113,7 @@ class SchedulerService(Service):
         self._policies: dict[int, Policy] = {}
         self._announced_done = False
         self._last_error = ""
+        self._waiting_for: tuple[int, int] | None = None  # (served, trainer) versions last logged as holding dispatch
         self.log = self.log.bind(mode=self.settings.mode)
 
     async def setup(self) -> None:
@@ -129,6 +130,7 @@ class SchedulerService(Service):
             "mode": self.settings.mode,
             "policy_version": self.view.policy_version,
             "queries_dispatched": len(self.view.dispatched_numbers),
+            "served_version": self.view.served_version(),
             "live_sessions": len(self.view.sessions),
             "cells": {c.cell_id: f"{c.role.value}/{c.state.value}" for c in self.view.cells.values()},
             "done": self.view.done,
@@ -193,6 +195,7 @@ class SchedulerService(Service):
         if len(self.view.cells) < self.sched.min_cells:
             return []
         snapshot = self.view.snapshot(self.view.seconds_at(utcnow()))
+        self._log_weight_wait()
         try:
             policy = self.policy(snapshot.budget_cells)
             actions = policy.decide(snapshot)
@@ -207,6 +210,18 @@ class SchedulerService(Service):
         if emitted:
             await self.catch_up()
         return emitted
+
+    def _log_weight_wait(self) -> None:
+        """Say once per (served, trainer) pair when queries wait for a rollout worker to load newer weights:
+        a worker whose load is stuck holds dispatch, and this names it."""
+        held = self.view.held_for_weights()
+        versions = (self.view.served_version(), self.view.policy_version)
+        if held and versions != self._waiting_for:
+            behind = {c.cell_id: c.served_version for c in self.view.cells.values()
+                      if c.served_version is not None and c.served_version < self.view.policy_version}
+            self.log.info("dispatch_waits_for_weights", served_version=versions[0], policy_version=versions[1],
+                          queries_held=held, cells_behind=behind)
+        self._waiting_for = versions if held else None
 
     async def execute(self, snapshot: Snapshot, actions: list[Action]) -> list[Event]:
         """Turn a decision into events, in the decision's order."""

@@ -27,6 +27,7 @@ from shared.events import (
     KvMigrated,
     KvMigrationOrdered,
     StepCompleted,
+    WeightsLoaded,
     WeightsPublished,
     new_event,
 )
@@ -182,6 +183,40 @@ def test_the_queue_holds_the_next_queries_the_staleness_bound_could_reach() -> N
     assert v.queued() == [1, 2, 3]
     v.policy_version = 2
     assert v.queued() == [1, 2, 3, 4, 5]  # capped at the last planned step
+
+
+def test_queries_wait_for_the_rollout_cells_to_serve_a_policy_within_the_bound() -> None:
+    """The bound counts from the oldest policy an active rollout cell serves: with the trainer at version 1
+    and a worker still on 0, step 2 (k = 1) would be generated partly by version 0."""
+    v, log = view(plan(total_steps=4), staleness=1), Log()
+    v.apply(log(registered("c0")))
+    v.apply(log(CellAssigned(cell_id="c0", role="rollout", policy="async")))
+    v.apply(log(CellReady(cell_id="c0", role="rollout", switch_seconds=1.0, policy_version=0)))
+    ready_cells(v, log, {"c1": "train"})
+    v.apply(log(WeightsPublished(version=1, step=0, weights=REF)))
+    assert (v.policy_version, v.served_version()) == (1, 0)
+    assert v.queued() == [0, 1, 2, 3] and v.held_for_weights() == 2  # steps 0-1; step 2 waits
+    assert [q.query_id for q in v.snapshot(0).queued] == [v.plan.query_id(n) for n in range(4)]
+    v.apply(log(WeightsLoaded(cell_id="c0", worker_id="w0", version=1)))
+    assert v.served_version() == 1 and v.queued() == [0, 1, 2, 3, 4, 5] and v.held_for_weights() == 0
+    v.apply(log(WeightsLoaded(cell_id="c0", worker_id="w0", version=0)))  # a late report of an older load
+    assert v.served_version() == 1
+    # A cell switching into rollout does not hold dispatch; once ready it counts with what it serves.
+    v.apply(log(WeightsPublished(version=2, step=1, weights=REF)))
+    v.apply(log(WeightsLoaded(cell_id="c0", worker_id="w0", version=2)))
+    v.apply(log(CellAssigned(cell_id="c1", role="rollout", policy="elastic")))
+    assert v.served_version() == 2
+    v.apply(log(CellReady(cell_id="c1", role="rollout", switch_seconds=1.0, policy_version=1)))
+    assert v.served_version() == 1
+    v.apply(log(CellReady(cell_id="c1", role="train", switch_seconds=1.0)))  # off rollout: not counted again
+    assert v.served_version() == 2
+
+
+def test_cells_that_never_said_what_they_serve_do_not_hold_dispatch() -> None:
+    v, log = view(staleness=0), Log()
+    ready_cells(v, log, {"c0": "rollout", "c1": "train"})  # cell.ready without a policy version
+    v.apply(log(WeightsPublished(version=1, step=0, weights=REF)))
+    assert v.served_version() == 1 and v.queued() == [0, 1, 2, 3] and v.held_for_weights() == 0
 
 
 def test_events_of_other_runs_and_duplicates_change_nothing() -> None:
