@@ -380,7 +380,9 @@ class RunView:
         for s in self.sessions.values():
             if s.moving_to == cell_id:
                 s.moving_to = None
-        others = [c.cell_id for c in self.cells.values() if c.role is Role.ROLLOUT and c.cell_id != cell_id]
+        rollout = [c for c in self.cells.values() if c.role is Role.ROLLOUT and c.cell_id != cell_id]
+        # The worker moves them to workers already serving; a cell still switching in has none yet.
+        others = [c.cell_id for c in rollout if c.state is CellState.ACTIVE] or [c.cell_id for c in rollout]
         if not others:
             return
         load = {c: 0 for c in others}

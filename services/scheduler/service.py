@@ -161,11 +161,12 @@ class SchedulerService(Service):
 
     async def _loop(self) -> None:
         while not self.stop_event.is_set():
+            # Cleared before the tick, so an event that lands while it runs wakes the next one at once.
+            self._wake.clear()
             try:
                 await self.tick()
             except Exception:  # a failed tick (database away, ...) is retried on the next one
                 self.log.exception("tick_failed")
-            self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout=self.sched.tick_s)
             except asyncio.TimeoutError:

@@ -245,6 +245,16 @@ def test_sessions_follow_migrations_and_leave_a_cell_ordered_out_of_rollout() ->
     assert {e.execution_id: e.cell_id for e in v.snapshot(0).live} == {"r1-step0-q0-s0": "c2", "r1-step0-q0-s1": "c0"}
 
 
+def test_a_drained_cells_sessions_go_to_cells_already_serving_not_to_one_switching_in() -> None:
+    v, log = view(), Log()
+    ready_cells(v, log, {"c0": "rollout", "c1": "rollout", "c2": "train"})
+    v.apply(log(v.plan.dispatch(0, policy_version=0, placements=("c0", "c0"))))
+    v.apply(log(v.plan.dispatch(1, policy_version=0, placements=("c1", "c1"))))
+    v.apply(log(CellAssigned(cell_id="c2", role="rollout", policy="elastic")))  # empty, but no worker yet
+    v.apply(log(CellAssigned(cell_id="c0", role="train", policy="elastic")))
+    assert {e.cell_id for e in v.snapshot(0).live} == {"c1"}
+
+
 def test_sessions_sit_where_the_policy_placed_them_then_where_their_calls_are_served() -> None:
     v, log = view(), Log()
     ready_cells(v, log, {"c0": "rollout", "c1": "rollout", "c2": "rollout"})
