@@ -11,6 +11,7 @@ import hashlib
 import io
 import json
 import re
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -48,8 +49,8 @@ class ObjectDigestMismatch(BusError):
 class ObjectFetchTimeout(BusError):
     """An Object Store read stopped arriving (its chunks were purged by a put of the same name, or are gone)."""
 
-    def __init__(self, name: str, size: int, timeout_s: float) -> None:
-        super().__init__(f"object {name!r} ({size} B) did not arrive within {timeout_s:.0f} s")
+    def __init__(self, name: str, size: int, received: int, stall_s: float) -> None:
+        super().__init__(f"object {name!r}: {received} of {size} B arrived, then nothing for {stall_s:.0f} s")
 
 
 class PublishFailed(BusError):
@@ -347,24 +348,47 @@ class Bus:
         return digest
 
     async def get_object(
-        self, name_or_digest: str, *, expected_digest: str | None = None, timeout_s: float | None = None
+        self, name_or_digest: str, *, expected_digest: str | None = None, stall_s: float = 60.0
     ) -> bytes:
-        """Read an object whole. A read that stalls fails with ObjectFetchTimeout instead of waiting for ever;
-        the default allows 60 s plus 10 s per 100 MB."""
+        """Read an object whole. A read during which no chunk arrives for `stall_s` (its chunks were purged, say)
+        fails with ObjectFetchTimeout instead of waiting for ever; a large object that keeps arriving, however
+        slowly, is read to the end."""
         store = await self._objects()
         name = name_or_digest.replace(":", "-")
         info = await store.get_info(name)
-        limit = timeout_s if timeout_s is not None else 60.0 + (info.size or 0) / 10e6
-        buf = io.BytesIO()
+        sink = _Sink()
+        reading = asyncio.ensure_future(store.get(name, writeinto=sink))
         try:
-            await asyncio.wait_for(store.get(name, writeinto=buf), limit)
-        except asyncio.TimeoutError:
-            raise ObjectFetchTimeout(name, info.size or 0, limit) from None
-        data = buf.getvalue()
+            while not reading.done():
+                await asyncio.wait({reading}, timeout=min(stall_s, 5.0))
+                if not reading.done() and time.monotonic() - sink.at > stall_s:
+                    # nats-py's read leaves its ordered consumer subscribed when cancelled (rare: this path only).
+                    raise ObjectFetchTimeout(name, info.size or 0, len(sink.data), stall_s)
+            reading.result()
+        finally:
+            if not reading.done():
+                reading.cancel()
+        data = bytes(sink.data)
         expected = expected_digest or (name_or_digest if name_or_digest.startswith("sha256") else None)
         if expected and digest_of(data) != expected.replace("-", ":", 1):
             raise ObjectDigestMismatch(name, expected, digest_of(data))
         return data
+
+
+class _Sink(io.RawIOBase):
+    """Where an Object Store read writes its chunks (from a worker thread): the bytes, and when the last came."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.at = time.monotonic()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        self.data += b
+        self.at = time.monotonic()
+        return len(b)
 
 
 def _nats_digest(data: bytes) -> str:

@@ -175,6 +175,18 @@ class KvMigrationOrdered(EventData):
 
 
 @register
+class KvMigrationRefused(EventData):
+    """The worker of `from_cell` did not carry out an ordered move (`reason`: it drains, holds no session of the
+    execution, the target is not an active worker, or the target refused); the session stays where it is."""
+
+    TYPE: ClassVar[str] = "kv.migration_refused"
+    execution_id: str
+    from_cell: str
+    to_cell: str
+    reason: str
+
+
+@register
 class CallCompleted(EventData):
     """One model call. Token arrays live in `record` (see shared.calls); the rest is a summary for readers."""
 

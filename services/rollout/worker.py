@@ -30,7 +30,7 @@ from services.rollout.protocol import (
     WorkerStatus,
     tokens_digest,
 )
-from shared.events import EventData, KvMigrated
+from shared.events import EventData, KvMigrated, KvMigrationRefused
 from shared.logging import get_logger
 
 Emit = Callable[[Sequence[EventData]], Awaitable[None]]
@@ -313,28 +313,37 @@ class RolloutWorker:
         """Move one execution's sessions (every chain) to the worker serving `to_cell`, as the scheduler ordered.
 
         An order is a placement choice, not a must: when this worker drains (its drain moves everything), the
-        execution has no session here (ended, moved), or the target is not an active worker, nothing moves; a
-        target that refuses keeps the session where it is. Returns what moved (each also `kv.migrated`)."""
+        execution has no session here (not started here yet, ended, moved), or the target is not an active
+        worker, nothing moves; a target that refuses keeps the session where it is. Each move is reported with
+        `kv.migrated`, a move not made with `kv.migration_refused` (so the scheduler knows at once). Returns
+        what moved."""
         log = self.log.bind(execution_id=execution_id, to_cell=to_cell)
-        if self.state != "active":
-            log.info("ordered_move_skipped", detail=f"worker is {self.state}")
+
+        async def refuse(reason: str) -> list[MigrationResult]:
+            log.info("ordered_move_refused", reason=reason)
+            if self._emit is not None:
+                await self._emit([KvMigrationRefused(execution_id=execution_id, from_cell=self.cell_id,
+                                                     to_cell=to_cell, reason=reason)])
             return []
+
+        if self.state != "active":
+            return await refuse(f"worker {self.worker_id} is {self.state}: its drain moves the session")
         sessions = [s for k, s in sorted(self.sessions.items()) if k[0] == execution_id]
         if not sessions:
-            log.info("ordered_move_skipped", detail="no session of the execution here")
-            return []
+            return await refuse(f"worker {self.worker_id} holds no session of the execution")
         peers = [] if self.peers is None else self.peers.candidates(exclude=self.worker_id)
         target = next((p for p in peers if p.cell_id == to_cell and p.state == "active"), None)
         if target is None:
-            log.warning("ordered_move_skipped", detail="no active worker serves the target cell")
-            return []
+            return await refuse(f"no active worker serves {to_cell}")
         results: list[MigrationResult] = []
         for session in sessions:
             try:
                 result = await self._migrate(session, DrainRequest(targets=(target.worker_id,)), only_preferred=True)
             except Exception as exc:  # refused or failed: the rest of the execution stays with it, here
                 log.warning("ordered_move_failed", chain_id=session.chain_id, error=f"{type(exc).__name__}: {exc}")
-                break
+                if not results:
+                    return await refuse(f"{type(exc).__name__}: {exc}")
+                break  # a chain moved already (its kv.migrated names the target): the rest is served here
             if result is not None:
                 results.append(result)
         return results

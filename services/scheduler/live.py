@@ -37,6 +37,7 @@ from shared.events import (
     ExecutionTimedOut,
     KvMigrated,
     KvMigrationOrdered,
+    KvMigrationRefused,
     QueryDispatched,
     StepCompleted,
     WeightsLoaded,
@@ -52,6 +53,7 @@ FOLDED_TYPES: tuple[str, ...] = (
     "cell.ready",
     "kv.migrated",
     "kv.migration_ordered",
+    "kv.migration_refused",
     "call.completed",
     "query.dispatched",
     "execution.started",
@@ -65,6 +67,10 @@ FOLDED_TYPES: tuple[str, ...] = (
 )
 
 TaskOrder = Literal["round_robin", "seeded"]
+
+# The live side counts KV in tokens, so a migration's rate is in tokens per second: measured from `kv.migrated`
+# once a session has moved; before that, about what one 12k-token move took here (docs/rollout.md, "Benchmark").
+LIVE_MIGRATION_TOKENS_PER_S = 10_000.0
 
 
 class PlanError(ValueError):
@@ -170,6 +176,7 @@ class _Cell:
     role_since_s: float = 0.0
     leaving: Role | None = None  # the role a switch in progress started from (for measured switch costs)
     served_version: int | None = None  # the policy its rollout worker serves (cell.ready, weights.loaded)
+    behind_since_s: float | None = None  # since when it serves an older version than the newest published
 
 
 @dataclass(slots=True)
@@ -183,7 +190,11 @@ class _Session:
     chain_tokens: dict[str, tuple[int, int]] = field(default_factory=dict)
     moving_to: str | None = None  # a scheduler-ordered move not yet seen done
     ordered_at_s: float = 0.0
-    left_cell: str | None = None  # the cell its last migration left: a call recorded there late moves nothing
+    last_call_index: int = -1
+    # The cell its last migration left, and the last call index a record from there can be a late one for
+    # (a call in flight when it moved, at most one per chain): such a record changes its context, not its cell.
+    left_cell: str | None = None
+    left_until: int = -1
 
     def context_tokens(self) -> int:
         return sum(tokens for _, tokens in self.chain_tokens.values())
@@ -217,8 +228,13 @@ class RunView:
     session_reserve_tokens: int
     default_kv_tokens: int
     budget_cells: int = 0  # 0: every registered cell
-    switch_costs: SwitchCosts = field(default_factory=SwitchCosts)
-    migration_timeout_s: float = 120.0  # an ordered move not reported done by then is taken as not made
+    switch_costs: SwitchCosts = field(
+        default_factory=lambda: SwitchCosts(migration_bytes_per_s=LIVE_MIGRATION_TOKENS_PER_S)
+    )
+    migration_timeout_s: float = 300.0  # an ordered move not reported done or refused by then is taken as not made
+    # A rollout cell that has not loaded the newest published weights this long after their publication no
+    # longer holds dispatch (its load is stuck; the run goes on, and the trajectory service drops what is stale).
+    weights_wait_s: float = 300.0
 
     origin: datetime | None = None
     cells: dict[str, _Cell] = field(default_factory=dict)
@@ -230,8 +246,10 @@ class RunView:
     batch_tokens: dict[int, int] = field(default_factory=dict)  # step -> unique tokens of its batch
     rewards: dict[str, float] = field(default_factory=dict)
     policy_version: int = 0
+    published_version: int = -1  # the newest weights.published version
     tokens_per_cell_s: float = 0.0
     switch_samples: dict[Role, list[float]] = field(default_factory=dict)  # target role -> measured seconds
+    migrated: list[float] = field(default_factory=lambda: [0.0, 0.0])  # tokens and seconds of every kv.migrated
     seen: set[uuid.UUID] = field(default_factory=set)
 
     # ---- the fold ----
@@ -253,8 +271,9 @@ class RunView:
                 role = Role(data.role)
                 if role is not cell.role:
                     cell.role, cell.state = role, CellState.SWITCHING
+                    cell.served_version = cell.behind_since_s = None  # whatever served there is leaving
                     if role is not Role.ROLLOUT:
-                        self._move_sessions_off(cell.cell_id)
+                        self._move_sessions_off(cell.cell_id, at)
                 elif cell.state is CellState.DRAINING:
                     cell.state = CellState.ACTIVE
             case CellDraining():
@@ -268,12 +287,21 @@ class RunView:
                 if cell.leaving is not None and cell.leaving is not role and role is not Role.IDLE:
                     self.switch_samples.setdefault(role, []).append(data.switch_seconds)
                 cell.role, cell.state, cell.role_since_s, cell.leaving = role, CellState.ACTIVE, at, None
-                cell.served_version = data.policy_version if role is Role.ROLLOUT else None
+                if role is Role.ROLLOUT:
+                    # Max: the worker may have loaded newer weights (weights.loaded) after its agent read the
+                    # version this event reports.
+                    self._serves(cell, data.policy_version, at)
+                else:
+                    cell.served_version = cell.behind_since_s = None
             case KvMigrated():
                 self._migrated(data)
             case KvMigrationOrdered():
                 if (session := self._session(data.execution_id)) is not None:
                     session.moving_to, session.ordered_at_s = data.to_cell, at
+            case KvMigrationRefused():
+                session = self._session(data.execution_id)
+                if session is not None and session.moving_to == data.to_cell:
+                    session.moving_to = None
             case CallCompleted():
                 self._served(data)
             case QueryDispatched():
@@ -293,10 +321,12 @@ class RunView:
                     self.tokens_per_cell_s = tokens / (data.seconds * data.world_size)
             case WeightsPublished():
                 self.policy_version = max(self.policy_version, data.version)
+                if data.version > self.published_version:
+                    self.published_version = data.version
+                    for cell in self.cells.values():
+                        self._serves(cell, None, at)
             case WeightsLoaded():
-                # Max: a load its worker reported late (after the cell's next cell.ready) cannot take it back.
-                cell = self._cell(data.cell_id)
-                cell.served_version = max(data.version, -1 if cell.served_version is None else cell.served_version)
+                self._serves(self._cell(data.cell_id), data.version, at)
             case _:
                 return False  # cell.released and anything else change nothing the policies see
         return True
@@ -346,15 +376,30 @@ class RunView:
             )
             self.session_of[execution_id] = (data.query_id, sample)
 
+    def _serves(self, cell: _Cell, version: int | None, at: float) -> None:
+        """Fold a report that `cell` serves `version` (None: only the newest publication changed). A version
+        never goes back (a late report of an older load), and a cell behind the newest publication is timed."""
+        if version is not None:
+            cell.served_version = version if cell.served_version is None else max(cell.served_version, version)
+        if cell.served_version is None or cell.served_version >= self.published_version:
+            cell.behind_since_s = None
+        elif cell.behind_since_s is None:
+            cell.behind_since_s = at
+
     def _session(self, execution_id: str) -> _Session | None:
         key = self.session_of.get(execution_id)
         return None if key is None else self.sessions[key]
 
     def _migrated(self, data: KvMigrated) -> None:
+        if data.seconds > 0:
+            self.migrated[0] += data.tokens
+            self.migrated[1] += data.seconds
         session = self._session(data.execution_id)
         if session is None or not data.to_cell:
             return
-        session.cell_id, session.left_cell, session.moving_to = data.to_cell, data.from_cell, None
+        session.cell_id, session.moving_to = data.to_cell, None
+        session.left_cell = data.from_cell
+        session.left_until = session.last_call_index + max(1, len(session.chain_tokens))
 
     def _served(self, data: CallCompleted) -> None:
         session = self._session(data.execution_id)
@@ -363,20 +408,23 @@ class RunView:
         latest = session.chain_tokens.get(data.chain_id)
         if latest is None or data.call_index >= latest[0]:
             session.chain_tokens[data.chain_id] = (data.call_index, data.prompt_tokens + data.completion_tokens)
+        session.last_call_index = max(session.last_call_index, data.call_index)
         # Recorded by the gateway, while kv.migrated comes from the worker: the last call a cell served can land
         # after the session moved off it. A cell that left rollout holds none.
         served_by = self.cells.get(data.cell_id)
-        if served_by is None or served_by.role is not Role.ROLLOUT or data.cell_id == session.left_cell:
+        if served_by is None or served_by.role is not Role.ROLLOUT:
+            return
+        if data.cell_id == session.left_cell and data.call_index <= session.left_until:
             return
         session.cell_id, session.left_cell = data.cell_id, None
         if session.moving_to == data.cell_id:
             session.moving_to = None
 
-    def _move_sessions_off(self, cell_id: str) -> None:
+    def _move_sessions_off(self, cell_id: str, at: float) -> None:
         """A cell leaving rollout: its worker migrates its sessions to the least loaded other rollout
         cells (mirrored here), or, with none left (a colocate pool turning to training), they stay parked.
         A move ordered onto it will not happen (its worker refuses while draining); one ordered off it
-        to a cell still in rollout is taken as where the session goes."""
+        to a cell still in rollout, and not lapsed, is where the session goes, still migrating."""
         for s in self.sessions.values():
             if s.moving_to == cell_id:
                 s.moving_to = None
@@ -391,8 +439,13 @@ class RunView:
                 load[s.cell_id] += 1
         for key in sorted(k for k, s in self.sessions.items() if s.cell_id == cell_id):
             session = self.sessions[key]
-            target = session.moving_to if session.moving_to in load else min(load, key=lambda c: (load[c], c))
-            session.cell_id, session.moving_to = target, None
+            pending = session.moving_to in load and at - session.ordered_at_s < self.migration_timeout_s
+            if pending:
+                assert session.moving_to is not None
+                target = session.moving_to
+            else:
+                target, session.moving_to = min(load, key=lambda c: (load[c], c)), None
+            session.cell_id, session.left_cell = target, None
             load[target] += 1
 
     def _started(self, data: ExecutionStarted) -> None:
@@ -430,49 +483,65 @@ class RunView:
         of_step = [q for q in self.queries.values() if q.number is not None and q.step == step]
         return len(of_step) == self.plan.queries_per_step and all(q.ended >= q.group_size for q in of_step)
 
-    def served_version(self) -> int:
-        """The oldest policy an active rollout cell serves: what a query dispatched now is generated by at worst.
+    def stuck_cells(self, now_s: float) -> list[str]:
+        """Active rollout cells behind the newest publication for `weights_wait_s` or longer."""
+        return sorted(
+            c.cell_id for c in self.cells.values()
+            if c.role is Role.ROLLOUT and c.state is CellState.ACTIVE and c.behind_since_s is not None
+            and now_s - c.behind_since_s >= self.weights_wait_s
+        )
 
-        Workers load new weights after `weights.published`, so this trails the trainer's version by the load (and
-        by up to `publish_every − 1` steps). Cells whose worker has not said which policy it serves do not count;
-        with none that has, it is the trainer's version."""
-        served = [
-            c.served_version for c in self.cells.values()
+    def weights_lag(self, now_s: float | None = None) -> int:
+        """How many published versions the furthest-behind active rollout cell has still to load.
+
+        Workers load new weights after `weights.published`; until one has, calls it serves are generated by an
+        older policy than the trainer's version says. Only *published* versions count: with the trainer's
+        `publish_every` above 1 the workers cannot serve the versions in between, and waiting for them would
+        wait for ever. Cells whose worker never said what it serves, and (given `now_s`) cells stuck behind for
+        `weights_wait_s`, do not count."""
+        stuck = set(self.stuck_cells(now_s)) if now_s is not None else set()
+        lags = [
+            self.published_version - c.served_version for c in self.cells.values()
             if c.role is Role.ROLLOUT and c.state is CellState.ACTIVE and c.served_version is not None
+            and c.cell_id not in stuck
         ]
-        return min([self.policy_version, *served])
+        return max([0, *lags])
 
-    def queued(self) -> list[int]:
-        """Query numbers not yet dispatched, in order, as far as the staleness bound could reach now.
+    def dispatch_version(self, now_s: float | None = None) -> int:
+        """The version the staleness bound counts from: the trainer's, less the weights the rollout cells have
+        still to load (a query for step s starts only while s <= this + max_staleness)."""
+        return max(0, self.policy_version - self.weights_lag(now_s))
 
-        The bound counts from the policy the rollout workers serve, not from the trainer's version: a query
-        for step s starts only once every active rollout cell serves a version of at least s − max_staleness,
-        so none of its calls is generated by a policy older than the bound allows."""
+    def queued(self, now_s: float | None = None) -> list[int]:
+        """Query numbers not yet dispatched, in order, as far as the staleness bound could reach now (counted
+        from `dispatch_version`, so no query starts on a worker still serving weights older than the bound)."""
         horizon = min(
             self.plan.total_queries,
-            (self.served_version() + self.max_staleness + 1) * self.plan.queries_per_step,
+            (self.dispatch_version(now_s) + self.max_staleness + 1) * self.plan.queries_per_step,
         )
         return [n for n in range(horizon) if n not in self.dispatched_numbers]
 
-    def held_for_weights(self) -> int:
+    def held_for_weights(self, now_s: float | None = None) -> int:
         """Queries the trainer's version would let start that wait for a rollout worker to load newer weights."""
-        served = self.served_version()
-        if served >= self.policy_version:
+        start = self.dispatch_version(now_s)
+        if start >= self.policy_version:
             return 0
         k, b = self.max_staleness, self.plan.queries_per_step
         upto = min(self.plan.total_queries, (self.policy_version + k + 1) * b)
-        return sum(1 for n in range((served + k + 1) * b, upto) if n not in self.dispatched_numbers)
+        return sum(1 for n in range((start + k + 1) * b, upto) if n not in self.dispatched_numbers)
 
     def measured_switch_costs(self) -> SwitchCosts:
-        """The configured costs, replaced by the mean of measured switches where there are any."""
+        """The configured costs, replaced by what was measured where there is a measurement: the mean switch
+        per direction, and the tokens per second of every migration so far."""
         def mean(role: Role, default: float) -> float:
             samples = self.switch_samples.get(role)
             return sum(samples) / len(samples) if samples else default
 
+        tokens, seconds = self.migrated
         return SwitchCosts(
             to_train_s=mean(Role.TRAIN, self.switch_costs.to_train_s),
             to_rollout_s=mean(Role.ROLLOUT, self.switch_costs.to_rollout_s),
-            migration_bytes_per_s=self.switch_costs.migration_bytes_per_s,
+            migration_bytes_per_s=tokens / seconds if tokens > 0 else self.switch_costs.migration_bytes_per_s,
         )
 
     def _live(self, s: _Session, now_s: float) -> LiveExecution:
@@ -503,7 +572,7 @@ class RunView:
             now_s=now_s,
             cells=cells,
             live=live,
-            queued=tuple(QueuedQuery(self.plan.query_id(n), self.plan.group_size) for n in self.queued()),
+            queued=tuple(QueuedQuery(self.plan.query_id(n), self.plan.group_size) for n in self.queued(now_s)),
             finished_untrained=finished,
             trainer=trainer,
             max_staleness=self.max_staleness,

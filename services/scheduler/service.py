@@ -61,8 +61,10 @@ class SchedulerSettings(BaseSettings):
     session_reserve_tokens: int = Field(default=8192, ge=1)  # KV one session reserves on its cell
     default_kv_tokens: int = Field(default=1 << 20, ge=1)  # a cell that registers capacity 0
     fill: float = Field(default=0.9, gt=0, le=1)
-    # An ordered session move the worker has not reported done by then is taken as not made (it may be ordered again).
-    migration_timeout_s: float = Field(default=120.0, gt=0)
+    # An ordered session move the worker has not reported done or refused by then is taken as not made.
+    migration_timeout_s: float = Field(default=300.0, gt=0)
+    # A rollout cell this long behind the newest published weights stops holding dispatch (its load is stuck).
+    weights_wait_s: float = Field(default=300.0, gt=0)
     # Colocate's run-ahead parks in-flight sessions through each training phase. A live engine that is
     # stopped for training (vLLM on CPU has no sleep mode) cannot hold them, and their calls would fail
     # while the pool trains; so live colocate runs synchronously unless asked (the simulator parks).
@@ -106,6 +108,7 @@ class SchedulerService(Service):
             default_kv_tokens=self.sched.default_kv_tokens,
             budget_cells=self.sched.budget_cells,
             migration_timeout_s=self.sched.migration_timeout_s,
+            weights_wait_s=self.sched.weights_wait_s,
         )
         self.position = 0
         self.ticks = 0
@@ -113,7 +116,8 @@ class SchedulerService(Service):
         self._policies: dict[int, Policy] = {}
         self._announced_done = False
         self._last_error = ""
-        self._waiting_for: tuple[int, int] | None = None  # (served, trainer) versions last logged as holding dispatch
+        self._waiting_for: tuple[int, int] | None = None  # (dispatch, trainer) versions last logged as holding dispatch
+        self._stuck_logged: set[tuple[str, int]] = set()
         self.log = self.log.bind(mode=self.settings.mode)
 
     async def setup(self) -> None:
@@ -130,7 +134,7 @@ class SchedulerService(Service):
             "mode": self.settings.mode,
             "policy_version": self.view.policy_version,
             "queries_dispatched": len(self.view.dispatched_numbers),
-            "served_version": self.view.served_version(),
+            "dispatch_version": self.view.dispatch_version(self.view.seconds_at(utcnow())),
             "live_sessions": len(self.view.sessions),
             "cells": {c.cell_id: f"{c.role.value}/{c.state.value}" for c in self.view.cells.values()},
             "done": self.view.done,
@@ -196,7 +200,7 @@ class SchedulerService(Service):
         if len(self.view.cells) < self.sched.min_cells:
             return []
         snapshot = self.view.snapshot(self.view.seconds_at(utcnow()))
-        self._log_weight_wait()
+        self._log_weight_wait(snapshot.now_s)
         try:
             policy = self.policy(snapshot.budget_cells)
             actions = policy.decide(snapshot)
@@ -212,17 +216,25 @@ class SchedulerService(Service):
             await self.catch_up()
         return emitted
 
-    def _log_weight_wait(self) -> None:
-        """Say once per (served, trainer) pair when queries wait for a rollout worker to load newer weights:
-        a worker whose load is stuck holds dispatch, and this names it."""
-        held = self.view.held_for_weights()
-        versions = (self.view.served_version(), self.view.policy_version)
+    def _log_weight_wait(self, now_s: float) -> None:
+        """Say once per pair of versions when queries wait for a rollout worker to load newer weights, and once
+        per cell and version when a cell stuck behind stops holding them (its load does not finish)."""
+        view = self.view
+        held = view.held_for_weights(now_s)
+        versions = (view.dispatch_version(now_s), view.policy_version)
         if held and versions != self._waiting_for:
-            behind = {c.cell_id: c.served_version for c in self.view.cells.values()
-                      if c.served_version is not None and c.served_version < self.view.policy_version}
-            self.log.info("dispatch_waits_for_weights", served_version=versions[0], policy_version=versions[1],
-                          queries_held=held, cells_behind=behind)
+            behind = {c.cell_id: c.served_version for c in view.cells.values()
+                      if c.served_version is not None and c.served_version < view.published_version}
+            self.log.info("dispatch_waits_for_weights", dispatch_version=versions[0], policy_version=versions[1],
+                          published_version=view.published_version, queries_held=held, cells_behind=behind)
         self._waiting_for = versions if held else None
+        for cell_id in view.stuck_cells(now_s):
+            key = (cell_id, view.published_version)
+            if key not in self._stuck_logged:
+                self._stuck_logged.add(key)
+                self.log.warning("weights_load_stuck", cell_id=cell_id, published_version=view.published_version,
+                                 serves=view.cells[cell_id].served_version, waited_s=view.weights_wait_s,
+                                 detail="dispatch no longer waits for this cell; its calls may be left out as stale")
 
     async def execute(self, snapshot: Snapshot, actions: list[Action]) -> list[Event]:
         """Turn a decision into events, in the decision's order."""

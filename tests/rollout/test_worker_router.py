@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from services.rollout.protocol import DrainRequest, GenerateRequest, SamplingSpec, TokenPayload, tokens_digest
 from services.rollout.router import NoCapacity, Router, WorkerDirectory
 from services.rollout.worker import RolloutWorker, kv_prompt
-from shared.events import KvMigrated
+from shared.events import KvMigrated, KvMigrationRefused
 from tests.rollout.fakes import CharCodec, LocalWorkers, ScriptedEngine, build_stack
 
 CODEC = CharCodec()
@@ -483,8 +483,14 @@ async def test_an_ordered_move_takes_every_chain_of_its_execution_to_the_named_c
     assert len(workers[2].engine.prompts) == 1 + 2 + 1  # Z, the two adopted prefills, then only this call
 
 
-async def test_an_ordered_move_that_cannot_be_made_leaves_the_session_where_it_is() -> None:
+async def test_an_ordered_move_that_cannot_be_made_leaves_the_session_where_it_is_and_says_why() -> None:
+    events: list = []
+
+    async def emit(data):
+        events.extend(data)
+
     local, workers, router, directory = _pool([ScriptedEngine(CODEC) for _ in range(3)])
+    workers[0]._emit = emit
     await _start_on(router, workers, 0, "X")
     assert await workers[0].move_execution("X", "c9") == []  # no worker serves that cell
     assert await workers[0].move_execution("nobody", "c1") == []  # no session of it here
@@ -507,3 +513,8 @@ async def test_an_ordered_move_that_cannot_be_made_leaves_the_session_where_it_i
     workers[0].state = "draining"  # a draining worker leaves its sessions to the drain
     workers[2].state = "active"
     assert await workers[0].move_execution("X", "c2") == []
+    # Each order not carried out is reported, so the scheduler does not wait for its timeout.
+    assert [type(e) for e in events] == [KvMigrationRefused] * 5
+    assert [(e.execution_id, e.from_cell, e.to_cell) for e in events][:2] == [("X", "c0", "c9"), ("nobody", "c0", "c1")]
+    assert "no active worker serves c9" in events[0].reason and "holds no session" in events[1].reason
+    assert "refused" in events[3].reason and "draining" in events[4].reason

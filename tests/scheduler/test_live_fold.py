@@ -185,38 +185,84 @@ def test_the_queue_holds_the_next_queries_the_staleness_bound_could_reach() -> N
     assert v.queued() == [1, 2, 3, 4, 5]  # capped at the last planned step
 
 
-def test_queries_wait_for_the_rollout_cells_to_serve_a_policy_within_the_bound() -> None:
-    """The bound counts from the oldest policy an active rollout cell serves: with the trainer at version 1
-    and a worker still on 0, step 2 (k = 1) would be generated partly by version 0."""
+def rollout_cell_serving(v: RunView, log: Log, cell: str, version: int | None) -> None:
+    v.apply(log(registered(cell)))
+    v.apply(log(CellAssigned(cell_id=cell, role="rollout", policy="async")))
+    v.apply(log(CellReady(cell_id=cell, role="rollout", switch_seconds=1.0, policy_version=version)))
+
+
+def test_queries_wait_for_the_rollout_cells_to_load_the_newest_published_weights() -> None:
+    """With the trainer at version 1 and a worker still on 0, step 2 (k = 1) would be generated partly by
+    version 0: the bound counts from the trainer's version less the versions a worker has still to load."""
     v, log = view(plan(total_steps=4), staleness=1), Log()
-    v.apply(log(registered("c0")))
-    v.apply(log(CellAssigned(cell_id="c0", role="rollout", policy="async")))
-    v.apply(log(CellReady(cell_id="c0", role="rollout", switch_seconds=1.0, policy_version=0)))
+    rollout_cell_serving(v, log, "c0", 0)
     ready_cells(v, log, {"c1": "train"})
+    v.apply(log(WeightsPublished(version=0, step=-1, weights=REF)))
     v.apply(log(WeightsPublished(version=1, step=0, weights=REF)))
-    assert (v.policy_version, v.served_version()) == (1, 0)
+    assert (v.policy_version, v.weights_lag(), v.dispatch_version()) == (1, 1, 0)
     assert v.queued() == [0, 1, 2, 3] and v.held_for_weights() == 2  # steps 0-1; step 2 waits
     assert [q.query_id for q in v.snapshot(0).queued] == [v.plan.query_id(n) for n in range(4)]
     v.apply(log(WeightsLoaded(cell_id="c0", worker_id="w0", version=1)))
-    assert v.served_version() == 1 and v.queued() == [0, 1, 2, 3, 4, 5] and v.held_for_weights() == 0
+    assert v.dispatch_version() == 1 and v.queued() == [0, 1, 2, 3, 4, 5] and v.held_for_weights() == 0
     v.apply(log(WeightsLoaded(cell_id="c0", worker_id="w0", version=0)))  # a late report of an older load
-    assert v.served_version() == 1
+    assert v.dispatch_version() == 1
     # A cell switching into rollout does not hold dispatch; once ready it counts with what it serves.
     v.apply(log(WeightsPublished(version=2, step=1, weights=REF)))
     v.apply(log(WeightsLoaded(cell_id="c0", worker_id="w0", version=2)))
     v.apply(log(CellAssigned(cell_id="c1", role="rollout", policy="elastic")))
-    assert v.served_version() == 2
+    assert v.dispatch_version() == 2
     v.apply(log(CellReady(cell_id="c1", role="rollout", switch_seconds=1.0, policy_version=1)))
-    assert v.served_version() == 1
+    assert v.dispatch_version() == 1
     v.apply(log(CellReady(cell_id="c1", role="train", switch_seconds=1.0)))  # off rollout: not counted again
-    assert v.served_version() == 2
+    assert v.dispatch_version() == 2
+
+
+def test_a_worker_that_loaded_newer_weights_while_its_cell_switched_in_is_not_taken_back_by_cell_ready() -> None:
+    """Its agent read the worker's version (1) from a heartbeat; the worker then loaded version 2 and said so
+    before the agent's cell.ready(1) landed."""
+    v, log = view(plan(total_steps=4), staleness=0), Log()
+    ready_cells(v, log, {"c1": "train"})
+    v.apply(log(registered("c0")))
+    v.apply(log(WeightsPublished(version=2, step=1, weights=REF)))
+    v.apply(log(CellAssigned(cell_id="c0", role="rollout", policy="elastic")))
+    v.apply(log(WeightsLoaded(cell_id="c0", worker_id="w0", version=2)))
+    v.apply(log(CellReady(cell_id="c0", role="rollout", switch_seconds=1.0, policy_version=1)))
+    assert v.weights_lag() == 0 and v.dispatch_version() == 2
+
+
+def test_versions_the_trainer_never_publishes_are_not_waited_for() -> None:
+    """`publish_every` 3: the workers can serve 0 and 3 only. Waiting for them to serve the trainer's 5 would
+    wait for ever (version 6 needs batch 5, which would need it)."""
+    v, log = view(plan(total_steps=8), staleness=1), Log()
+    rollout_cell_serving(v, log, "c0", 0)
+    v.apply(log(WeightsPublished(version=3, step=2, weights=REF)))
+    v.apply(log(WeightsLoaded(cell_id="c0", worker_id="w0", version=3)))
+    v.apply(log(StepCompleted(step=4, policy_version=5, world_size=1, seconds=1, metrics={})))
+    assert (v.policy_version, v.published_version, v.weights_lag(), v.dispatch_version()) == (5, 3, 0, 5)
+    assert max(v.queued()) == 13  # steps up to 6 = 5 + k: what the trainer's version allows
+
+
+def test_a_cell_stuck_behind_the_newest_weights_stops_holding_dispatch_after_the_wait() -> None:
+    v = RunView(plan=plan(total_steps=4), max_staleness=0, session_reserve_tokens=10, default_kv_tokens=1000,
+                weights_wait_s=300.0)
+    log = Log()
+    rollout_cell_serving(v, log, "c0", 0)
+    rollout_cell_serving(v, log, "c1", 0)
+    v.apply(log(WeightsPublished(version=1, step=0, weights=REF)))
+    published_at = v.seconds_at(T0 + timedelta(seconds=log.t))
+    v.apply(log(WeightsLoaded(cell_id="c1", worker_id="w1", version=1)))
+    assert v.dispatch_version(published_at + 299) == 0 and v.stuck_cells(published_at + 299) == []
+    assert v.dispatch_version(published_at + 301) == 1 and v.stuck_cells(published_at + 301) == ["c0"]
+    assert v.dispatch_version() == 0  # without a clock every cell counts
+    v.apply(log(WeightsLoaded(cell_id="c0", worker_id="w0", version=1)))  # it got there after all
+    assert v.stuck_cells(published_at + 400) == [] and v.dispatch_version(published_at + 400) == 1
 
 
 def test_cells_that_never_said_what_they_serve_do_not_hold_dispatch() -> None:
     v, log = view(staleness=0), Log()
     ready_cells(v, log, {"c0": "rollout", "c1": "train"})  # cell.ready without a policy version
     v.apply(log(WeightsPublished(version=1, step=0, weights=REF)))
-    assert v.served_version() == 1 and v.queued() == [0, 1, 2, 3] and v.held_for_weights() == 0
+    assert v.dispatch_version() == 1 and v.queued() == [0, 1, 2, 3] and v.held_for_weights() == 0
 
 
 def test_events_of_other_runs_and_duplicates_change_nothing() -> None:
@@ -334,11 +380,38 @@ def test_an_ordered_move_nobody_reports_lapses_and_one_onto_a_cell_leaving_rollo
     v.apply(log(CellAssigned(cell_id="c2", role="train", policy="elastic")))  # its target drains: it stays on c0
     assert {e.execution_id: (e.cell_id, e.migrating) for e in v.snapshot(float(log.t)).live}["r1-step0-q0-s1"] == (
         "c0", False)
-    # A move ordered off a cell that then leaves rollout is where its session goes.
+    # A move ordered off a cell that then leaves rollout is where its session goes, still migrating until the
+    # worker says it moved; a session without a live order goes to the least loaded cell serving.
     v.apply(log(KvMigrationOrdered(execution_id="r1-step0-q0-s1", from_cell="c0", to_cell="c1", policy="elastic")))
     v.apply(log(CellAssigned(cell_id="c0", role="train", policy="elastic")))
-    assert {e.execution_id: (e.cell_id, e.migrating) for e in v.snapshot(float(log.t)).live} == {
-        "r1-step0-q0-s0": ("c1", False), "r1-step0-q0-s1": ("c1", False)}
+    late = v.seconds_at(T0 + timedelta(seconds=log.t))
+    assert {e.execution_id: (e.cell_id, e.migrating) for e in v.snapshot(late).live} == {
+        "r1-step0-q0-s0": ("c1", True), "r1-step0-q0-s1": ("c1", True)}  # s0's order had not lapsed yet then
+    v.apply(log(KvMigrated(execution_id="r1-step0-q0-s1", from_cell="c0", to_cell="c1", tokens=5, bytes=50,
+                           seconds=0.1, method="recompute")))
+    assert {e.execution_id: e.migrating for e in v.snapshot(late).live}["r1-step0-q0-s1"] is False
+
+
+def test_a_refused_move_is_settled_at_once_and_late_records_move_nothing_only_for_calls_in_flight() -> None:
+    from shared.events import KvMigrationRefused
+
+    v, log = view(), Log()
+    ready_cells(v, log, {"c0": "rollout", "c1": "rollout", "c2": "rollout"})
+    v.apply(log(v.plan.dispatch(0, policy_version=0, placements=("c0", "c0"))))
+    e = "r1-step0-q0-s0"
+    v.apply(log(KvMigrationOrdered(execution_id=e, from_cell="c0", to_cell="c1", policy="elastic")))
+    v.apply(log(KvMigrationRefused(execution_id=e, from_cell="c0", to_cell="c1", reason="no session here")))
+    assert {x.execution_id: (x.cell_id, x.migrating) for x in v.snapshot(0).live}[e] == ("c0", False)
+    for i in range(3):
+        v.apply(log(call(e, "c0", i, prompt=10 + i, completion=1)))
+    v.apply(log(KvMigrated(execution_id=e, from_cell="c0", to_cell="c2", tokens=14, bytes=0, seconds=0.5,
+                           method="recompute")))
+    v.apply(log(call(e, "c0", 3, prompt=20, completion=1)))  # in flight when it moved, recorded after
+    assert {x.execution_id: x.cell_id for x in v.snapshot(0).live}[e] == "c2"
+    v.apply(log(call(e, "c0", 4, prompt=22, completion=1)))  # a later call there: it was placed there again
+    assert {x.execution_id: x.cell_id for x in v.snapshot(0).live}[e] == "c0"
+    # Migrations measured so far set the rate the policy prices moves at (tokens per second on the live side).
+    assert v.measured_switch_costs().migration_bytes_per_s == 28.0
 
 
 def test_without_placements_sessions_are_spread_over_cells_that_take_sessions_only() -> None:
