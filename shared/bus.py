@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import hashlib
 import io
 import json
 import re
@@ -49,8 +48,8 @@ class ObjectDigestMismatch(BusError):
 class ObjectFetchTimeout(BusError):
     """An Object Store read stopped arriving (its chunks were purged by a put of the same name, or are gone)."""
 
-    def __init__(self, name: str, size: int, received: int, stall_s: float) -> None:
-        super().__init__(f"object {name!r}: {received} of {size} B arrived, then nothing for {stall_s:.0f} s")
+    def __init__(self, name: str, received: int, stall_s: float) -> None:
+        super().__init__(f"object {name!r}: {received} B arrived, then nothing for {stall_s:.0f} s")
 
 
 class PublishFailed(BusError):
@@ -342,7 +341,7 @@ class Bus:
                 info = await store.get_info(key)
             except nats.js.errors.NotFoundError:
                 info = None
-            if info is not None and info.size == len(data) and info.digest == _nats_digest(data):
+            if info is not None and info.size == len(data) and info.digest == _nats_digest(digest):
                 return digest
         await store.put(key, io.BytesIO(data))
         return digest
@@ -355,7 +354,6 @@ class Bus:
         slowly, is read to the end."""
         store = await self._objects()
         name = name_or_digest.replace(":", "-")
-        info = await store.get_info(name)
         sink = _Sink()
         reading = asyncio.ensure_future(store.get(name, writeinto=sink))
         try:
@@ -363,7 +361,7 @@ class Bus:
                 await asyncio.wait({reading}, timeout=min(stall_s, 5.0))
                 if not reading.done() and time.monotonic() - sink.at > stall_s:
                     # nats-py's read leaves its ordered consumer subscribed when cancelled (rare: this path only).
-                    raise ObjectFetchTimeout(name, info.size or 0, len(sink.data), stall_s)
+                    raise ObjectFetchTimeout(name, len(sink.data), stall_s)
             reading.result()
         finally:
             if not reading.done():
@@ -391,9 +389,9 @@ class _Sink(io.RawIOBase):
         return len(b)
 
 
-def _nats_digest(data: bytes) -> str:
-    """The digest the Object Store records for `data` (ObjectInfo.digest)."""
-    return "SHA-256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()
+def _nats_digest(digest: str) -> str:
+    """Our `sha256:<hex>` digest as the Object Store records it (ObjectInfo.digest): the same hash, spelt apart."""
+    return "SHA-256=" + base64.urlsafe_b64encode(bytes.fromhex(digest.split(":", 1)[1])).decode()
 
 
 def _json_str(text: str) -> bytes:

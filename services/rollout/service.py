@@ -106,8 +106,8 @@ class RolloutWorkerService(Service):
         from safetensors.torch import load as load_safetensors
 
         assert isinstance(event.data, WeightsPublished) and self.store is not None
-        if event.data.version <= self.worker.policy_version and event.data.version != 0:
-            return  # an older publication, delivered late (apply_weights would skip it after the download)
+        if not self.worker.wants(event.data.version):
+            return  # an older publication delivered late: not worth its download
         ref = event.data.weights
         if ref.store == "pg":
             blob = await self.store.get_blob(ref)

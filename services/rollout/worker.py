@@ -222,9 +222,13 @@ class RolloutWorker:
 
     # ---- weights ----
 
+    def wants(self, version: int) -> bool:
+        """Whether a publication of `version` is news: newer than what it serves (or the initial weights)."""
+        return version > self.policy_version or version == 0
+
     async def apply_weights(self, version: int, state_dict: Mapping[str, Any]) -> None:
         """Swap weights between calls: new calls wait, in-flight calls finish on the old policy first."""
-        if version <= self.policy_version and version != 0:
+        if not self.wants(version):
             self.log.info("weights_skipped", version=version, current=self.policy_version)
             return
         self._open.clear()

@@ -249,7 +249,8 @@ class RunView:
     published_version: int = -1  # the newest weights.published version
     tokens_per_cell_s: float = 0.0
     switch_samples: dict[Role, list[float]] = field(default_factory=dict)  # target role -> measured seconds
-    migrated: list[float] = field(default_factory=lambda: [0.0, 0.0])  # tokens and seconds of every kv.migrated
+    migrated_tokens: float = 0.0  # over every kv.migrated: what the measured migration rate is made of
+    migrated_s: float = 0.0
     seen: set[uuid.UUID] = field(default_factory=set)
 
     # ---- the fold ----
@@ -392,8 +393,8 @@ class RunView:
 
     def _migrated(self, data: KvMigrated) -> None:
         if data.seconds > 0:
-            self.migrated[0] += data.tokens
-            self.migrated[1] += data.seconds
+            self.migrated_tokens += data.tokens
+            self.migrated_s += data.seconds
         session = self._session(data.execution_id)
         if session is None or not data.to_cell:
             return
@@ -440,11 +441,9 @@ class RunView:
         for key in sorted(k for k, s in self.sessions.items() if s.cell_id == cell_id):
             session = self.sessions[key]
             pending = session.moving_to in load and at - session.ordered_at_s < self.migration_timeout_s
-            if pending:
-                assert session.moving_to is not None
-                target = session.moving_to
-            else:
-                target, session.moving_to = min(load, key=lambda c: (load[c], c)), None
+            if not pending:
+                session.moving_to = None
+            target = session.moving_to or min(load, key=lambda c: (load[c], c))
             session.cell_id, session.left_cell = target, None
             load[target] += 1
 
@@ -483,13 +482,14 @@ class RunView:
         of_step = [q for q in self.queries.values() if q.number is not None and q.step == step]
         return len(of_step) == self.plan.queries_per_step and all(q.ended >= q.group_size for q in of_step)
 
+    def _stuck(self, cell: _Cell, now_s: float | None) -> bool:
+        return (cell.behind_since_s is not None and now_s is not None
+                and now_s - cell.behind_since_s >= self.weights_wait_s)
+
     def stuck_cells(self, now_s: float) -> list[str]:
         """Active rollout cells behind the newest publication for `weights_wait_s` or longer."""
-        return sorted(
-            c.cell_id for c in self.cells.values()
-            if c.role is Role.ROLLOUT and c.state is CellState.ACTIVE and c.behind_since_s is not None
-            and now_s - c.behind_since_s >= self.weights_wait_s
-        )
+        return sorted(c.cell_id for c in self.cells.values()
+                      if c.role is Role.ROLLOUT and c.state is CellState.ACTIVE and self._stuck(c, now_s))
 
     def weights_lag(self, now_s: float | None = None) -> int:
         """How many published versions the furthest-behind active rollout cell has still to load.
@@ -499,11 +499,10 @@ class RunView:
         `publish_every` above 1 the workers cannot serve the versions in between, and waiting for them would
         wait for ever. Cells whose worker never said what it serves, and (given `now_s`) cells stuck behind for
         `weights_wait_s`, do not count."""
-        stuck = set(self.stuck_cells(now_s)) if now_s is not None else set()
         lags = [
             self.published_version - c.served_version for c in self.cells.values()
             if c.role is Role.ROLLOUT and c.state is CellState.ACTIVE and c.served_version is not None
-            and c.cell_id not in stuck
+            and not self._stuck(c, now_s)
         ]
         return max([0, *lags])
 
@@ -537,11 +536,11 @@ class RunView:
             samples = self.switch_samples.get(role)
             return sum(samples) / len(samples) if samples else default
 
-        tokens, seconds = self.migrated
         return SwitchCosts(
             to_train_s=mean(Role.TRAIN, self.switch_costs.to_train_s),
             to_rollout_s=mean(Role.ROLLOUT, self.switch_costs.to_rollout_s),
-            migration_bytes_per_s=tokens / seconds if tokens > 0 else self.switch_costs.migration_bytes_per_s,
+            migration_bytes_per_s=(self.migrated_tokens / self.migrated_s if self.migrated_tokens > 0
+                                   else self.switch_costs.migration_bytes_per_s),
         )
 
     def _live(self, s: _Session, now_s: float) -> LiveExecution:

@@ -357,6 +357,28 @@ async def _start_on(router: Router, workers: list[RolloutWorker], target: int, e
     return reply
 
 
+class LaggingPeers:
+    """Peers as a worker sees them through heartbeats taken earlier (`stale`), adopting for real."""
+
+    def __init__(self, stale: dict, local: LocalWorkers) -> None:
+        self.stale, self.adopt = stale, local.adopt
+
+    def candidates(self, exclude):
+        return [s for k, s in sorted(self.stale.items()) if k != exclude]
+
+
+def _recording_pool(n: int) -> tuple[LocalWorkers, list[RolloutWorker], Router, list]:
+    """`_pool` of n scripted workers whose first records the events it emits."""
+    events: list = []
+
+    async def emit(data):
+        events.extend(data)
+
+    local, workers, router, _ = _pool([ScriptedEngine(CODEC) for _ in range(n)])
+    workers[0]._emit = emit
+    return local, workers, router, events
+
+
 async def test_an_execution_ended_while_its_session_migrates_leaves_no_session_anywhere() -> None:
     """The end arrives while the target is prefilling the adopted history (the router knows only the source as
     holder). The source records no move, and the target, which hears every end, keeps nothing."""
@@ -403,14 +425,7 @@ async def test_a_drain_refused_by_a_target_that_is_draining_too_tries_the_next()
     for busy in ("Y0", "Y1"):  # the third worker is the busiest, so each drain first picks the other
         await _start_on(router, workers, 2, busy)
     stale = {w.worker_id: w.status() for w in workers}  # taken before either drain began
-
-    class LaggingPeers:
-        def candidates(self, exclude):
-            return [s for k, s in sorted(stale.items()) if k != exclude]
-
-        adopt = local.adopt
-
-    workers[0].peers = workers[1].peers = LaggingPeers()  # type: ignore[assignment]
+    workers[0].peers = workers[1].peers = LaggingPeers(stale, local)  # type: ignore[assignment]
     r0, r1 = await asyncio.gather(workers[0].drain(DrainRequest()), workers[1].drain(DrainRequest()))
     assert r0.ok and r1.ok and workers[0].state == workers[1].state == "drained"
     assert {("X0", "main"), ("X1", "main")} <= set(workers[2].sessions)
@@ -457,13 +472,7 @@ async def test_a_chain_still_here_is_served_here_while_another_chain_of_its_exec
 
 
 async def test_an_ordered_move_takes_every_chain_of_its_execution_to_the_named_cell_and_calls_follow() -> None:
-    events: list = []
-
-    async def emit(data):
-        events.extend(data)
-
-    local, workers, router, _ = _pool([ScriptedEngine(CODEC) for _ in range(3)])
-    workers[0]._emit = emit
+    local, workers, router, events = _recording_pool(3)
     main = await _start_on(router, workers, 0, "X")
     await _start_on(router, workers, 0, "X", chain_id="sub-1", prompt=np.arange(500, 540, dtype=np.int32))
     await _start_on(router, workers, 0, "Y")
@@ -484,13 +493,7 @@ async def test_an_ordered_move_takes_every_chain_of_its_execution_to_the_named_c
 
 
 async def test_an_ordered_move_that_cannot_be_made_leaves_the_session_where_it_is_and_says_why() -> None:
-    events: list = []
-
-    async def emit(data):
-        events.extend(data)
-
-    local, workers, router, directory = _pool([ScriptedEngine(CODEC) for _ in range(3)])
-    workers[0]._emit = emit
+    local, workers, router, events = _recording_pool(3)
     await _start_on(router, workers, 0, "X")
     assert await workers[0].move_execution("X", "c9") == []  # no worker serves that cell
     assert await workers[0].move_execution("nobody", "c1") == []  # no session of it here
@@ -499,14 +502,7 @@ async def test_an_ordered_move_that_cannot_be_made_leaves_the_session_where_it_i
     assert await workers[0].move_execution("X", "c1") == []  # the named target does not take sessions
     stale = {w.worker_id: w.status() for w in workers}
     workers[2].state = "draining"  # ... and one whose heartbeat has not said so yet refuses the adopt
-
-    class LaggingPeers:
-        def candidates(self, exclude):
-            return [s for k, s in sorted(stale.items()) if k != exclude]
-
-        adopt = local.adopt
-
-    workers[0].peers = LaggingPeers()  # type: ignore[assignment]
+    workers[0].peers = LaggingPeers(stale, local)  # type: ignore[assignment]
     assert await workers[0].move_execution("X", "c2") == []  # refused: not sent to another worker instead
     assert list(workers[0].sessions) == [("X", "main")] and workers[0].moved == {}
     assert not workers[1].sessions and not workers[2].sessions

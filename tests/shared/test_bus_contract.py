@@ -354,5 +354,5 @@ async def test_a_read_whose_chunks_are_gone_fails_instead_of_waiting_for_ever(nb
     store = await nbus._objects()  # noqa: SLF001
     info = await store.get_info(digest.replace(":", "-"))
     await nbus.js.purge_stream(store._stream, subject=f"$O.{info.bucket}.C.{info.nuid}")  # noqa: SLF001
-    with pytest.raises(ObjectFetchTimeout, match="0 of 512000 B arrived, then nothing for 1 s"):
+    with pytest.raises(ObjectFetchTimeout, match="0 B arrived, then nothing for 1 s"):
         await nbus.get_object(digest, stall_s=1.0)
