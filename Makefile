@@ -39,7 +39,7 @@ test-slow: setup
 	$(BIN)/pytest -q -ra -m slow
 
 demo: setup
-	$(BIN)/python -m shared.demo
+	$(BIN)/python -m gyre.demo
 
 bench: setup
 	$(BIN)/python bench/bus.py

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.local import EmbeddedNats, EmbeddedPostgres
+from gyre.local import EmbeddedNats, EmbeddedPostgres
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     from services.rollout.protocol import WorkerStatus
     from services.rollout.recording import InMemoryCallRecorder
     from services.rollout.router import Router, WorkerDirectory
-    from shared.tinymodel import create_tiny_model
+    from gyre.tinymodel import create_tiny_model
 
     rnd = random.Random(0)
     with tempfile.TemporaryDirectory(prefix="gyre-bench-gw-") as work:

@@ -62,7 +62,7 @@ def evaluate(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
     from services.harness.sandbox import make_sandbox
     from services.harness.taskrun import prepare, run_tests, sandbox_spec_for
     from services.harness.tasks import load_task
-    from shared.tinymodel import parse_tool_calls
+    from shared.chat import parse_tool_calls
 
     torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -137,7 +137,7 @@ def sft_curve(args: argparse.Namespace) -> dict[str, Any]:
     from services.trainer.engine import Trainer, TrainerConfig
     from services.trainer.sft import pack_sequences, render_conversation
     from services.trainer.weights import write_model_dir
-    from shared.tinymodel import parse_tool_calls
+    from shared.chat import parse_tool_calls
 
     torch.manual_seed(args.seed)
     base, out = Path(args.base), Path(args.out)

@@ -199,9 +199,9 @@ async def _throughput(args: argparse.Namespace, engine: Any, model_dir: Path, na
 
 async def _migration(args: argparse.Namespace, a: Any, b: Any, log: dict[str, Any]) -> tuple[float, float]:
     """A live session of `history_tokens` on A; move it to B by KV (save on A, load on B) or by recompute."""
-    from services.rollout.engine import KV_LOAD_PREFIX, KV_SAVE_PREFIX
+    from services.rollout.kv_handoff import KV_LOAD_PREFIX, KV_SAVE_PREFIX
     from services.rollout.protocol import SamplingSpec
-    from services.rollout.worker import kv_prompt
+    from services.rollout.kv_handoff import kv_prompt
 
     one = SamplingSpec(max_tokens=1, temperature=0.0)
     rng = np.random.default_rng(0)
@@ -230,8 +230,8 @@ async def _migration(args: argparse.Namespace, a: Any, b: Any, log: dict[str, An
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from services.rollout.engine import VllmConfig, VllmEngine, prepare_cpu_environment
-    from shared.local import EmbeddedNats, EmbeddedPostgres
-    from shared.tinymodel import create_tiny_model
+    from gyre.local import EmbeddedNats, EmbeddedPostgres
+    from gyre.tinymodel import create_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="gyre-bench-rollout-"))
     prepare_cpu_environment(work / "vllm")

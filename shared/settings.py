@@ -22,7 +22,7 @@ class SettingsError(Exception):
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="GYRE_", extra="ignore", frozen=True)
 
-    # Infrastructure. Empty URLs mean "start embedded servers under state_dir" (see shared.local).
+    # Infrastructure. Empty URLs mean "start embedded servers under state_dir" (see gyre.local).
     database_url: str = ""
     nats_url: str = ""
     state_dir: Path = Path(".gyre")

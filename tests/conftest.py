@@ -19,7 +19,7 @@ import pytest
 import sqlalchemy as sa
 
 from shared.bus import Bus
-from shared.local import EmbeddedNats, EmbeddedPostgres
+from gyre.local import EmbeddedNats, EmbeddedPostgres
 from shared.store import EventStore, async_url, run_migrations
 
 

@@ -23,9 +23,9 @@ from services.harness.agent_core import (
     SYSTEM_PROMPT,
     TOOL_SCHEMAS,
     Branch,
-    CallRecord,
+    AgentCall,
     MalformedReply,
-    ToolCall,
+    ToolUse,
     ValidReply,
     context_tokens,
     cut_middle,
@@ -113,7 +113,7 @@ class AgentOutcome(BaseModel):
     calls: int
     elapsed_s: float
     branches: tuple[Branch, ...] = ()
-    call_log: tuple[CallRecord, ...] = ()
+    call_log: tuple[AgentCall, ...] = ()
     error: str | None = None
     infra_failure: bool = False  # the error came from the model API's side, not from the agent's own request
 
@@ -162,7 +162,7 @@ class AgentLoop:
         self.clock = clock
         self.sleep = sleep
         self.calls = 0
-        self.call_log: list[CallRecord] = []
+        self.call_log: list[AgentCall] = []
         self.branches: list[Branch] = []
         self._deadline: float | None = None
         self._max_calls: int | None = None
@@ -258,7 +258,7 @@ class AgentLoop:
             self._branch(self._pending_branch.model_copy(update={"at_call_index": index}))
             self._pending_branch = None
         self.call_log.append(
-            CallRecord(
+            AgentCall(
                 index=index,
                 chain=chain.label,
                 purpose=purpose,
@@ -400,7 +400,7 @@ class AgentLoop:
             reason=f"context of {tokens} tokens passed the budget of {self.config.compact_at_tokens}",
         )
 
-    def _run_tool(self, chain: _Chain, call: ToolCall, call_index: int, limit: int) -> tuple[str, bool]:
+    def _run_tool(self, chain: _Chain, call: ToolUse, call_index: int, limit: int) -> tuple[str, bool]:
         """Run one tool call; its result is cut to `limit` characters."""
         if call.name == SHELL:
             # The call budget counts model calls; the last call's command still runs.

@@ -9,12 +9,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from shared.chat import has_tool_call_marker
+
 SHELL = "shell"
 DELEGATE = "delegate"
 SUBMIT = "submit"
-
-# Marker a model's chat template uses for tool calls; seen in plain text it means a call failed to parse.
-_TOOL_MARKERS = ("<tool_call>", "</tool_call>")
 
 TOOL_SCHEMAS: dict[str, dict[str, Any]] = {
     SHELL: {
@@ -65,7 +64,9 @@ SUMMARY_PROMPT = (
 )
 
 
-class ToolCall(BaseModel):
+class ToolUse(BaseModel):
+    """A `tool_use` block of the Anthropic API as the agent validated it (the API's id, name and input)."""
+
     model_config = ConfigDict(frozen=True)
 
     id: str
@@ -79,7 +80,7 @@ class ValidReply(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     text: str
-    tool_calls: tuple[ToolCall, ...] = ()
+    tool_calls: tuple[ToolUse, ...] = ()
 
 
 class MalformedReply(BaseModel):
@@ -111,7 +112,7 @@ def _check_input(name: str, value: Any) -> str | None:
 def validate_reply(content: list[dict[str, Any]], stop_reason: str | None, tools: tuple[str, ...]) -> ValidReply | MalformedReply:
     """Decide whether a reply can be acted on; anything else is re-sampled by the loop."""
     text = "".join(str(block.get("text", "")) for block in content if block.get("type") == "text")
-    calls: list[ToolCall] = []
+    calls: list[ToolUse] = []
     for block in content:
         if block.get("type") != "tool_use":
             continue
@@ -121,8 +122,9 @@ def validate_reply(content: list[dict[str, Any]], stop_reason: str | None, tools
         problem = _check_input(str(name), block.get("input"))
         if problem is not None:
             return MalformedReply(reason=problem)
-        calls.append(ToolCall(id=str(block.get("id", "")), name=str(name), input=dict(block["input"])))
-    if any(marker in text for marker in _TOOL_MARKERS):
+        calls.append(ToolUse(id=str(block.get("id", "")), name=str(name), input=dict(block["input"])))
+    # A tool-call marker left in the text means the gateway could not parse a call the model tried to make.
+    if has_tool_call_marker(text):
         return MalformedReply(reason="a tool call in the text could not be parsed")
     if stop_reason == "max_tokens" and not calls:
         return MalformedReply(reason="the reply was cut off at max_tokens")
@@ -185,7 +187,7 @@ class Branch(BaseModel):
     reason: str = ""
 
 
-class CallRecord(BaseModel):
+class AgentCall(BaseModel):
     """One model call as the loop saw it: its place, purpose and outcome (the loop's call log)."""
 
     model_config = ConfigDict(frozen=True)

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from services.harness import taskgen
 from services.harness.agent_core import DELEGATE, SHELL, SUBMIT, SYSTEM_PROMPT, TOOL_SCHEMAS, format_shell_result
+from shared.chat import ToolCall, chat_template, template_tool, template_tool_call
 
 FAMILIES: tuple[str, ...] = ("create-file", "sum-numbers", "count-matches", "uppercase", "sort-lines", "move-file")
 # What the harness service's agent offers (AgentConfig's default delegation depth of 1 adds `delegate`).
@@ -221,8 +222,6 @@ def tools_system_text(system_prompt: str = SYSTEM_PROMPT, tools: Sequence[str] =
     """
     import jinja2.sandbox
 
-    from shared.tinymodel import chat_template
-
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     # Hugging Face's tojson: plain json.dumps (no HTML escaping, non-ASCII kept), which the gateway renders with.
     env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
@@ -241,7 +240,7 @@ def tools_system_text(system_prompt: str = SYSTEM_PROMPT, tools: Sequence[str] =
 def tool_function(name: str) -> dict[str, Any]:
     """An agent tool in the OpenAI function shape the gateway hands the chat template."""
     schema = TOOL_SCHEMAS[name]
-    return {"type": "function", "function": {"name": schema["name"], "description": schema["description"], "parameters": schema["input_schema"]}}
+    return template_tool(schema["name"], schema["description"], schema["input_schema"])
 
 
 def shell_result(command_output: str = "", exit_code: int = 0) -> str:
@@ -283,7 +282,7 @@ def anthropic_turns(instance: DemoInstance) -> list[dict[str, Any]]:
 
 
 def _call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+    return template_tool_call(ToolCall(name=name, arguments=arguments))
 
 
 def demo_records(instances: Sequence[DemoInstance], system_text: str) -> list[dict[str, Any]]:

@@ -34,7 +34,7 @@ from services.harness.external import GatewayAccess
 from services.harness.planning import plan_query, recovery_actions
 from services.harness.sandbox import UID_POOL
 from services.harness.tasks import Task, TaskFormatError, load_task
-from services.rollout.credentials import derive_token
+from shared.execution_tokens import derive_execution_token
 from shared.events import (
     CallCompleted,
     Event,
@@ -186,7 +186,7 @@ class HarnessService(Service):
         body = {"execution_id": started.execution_id, "seed": started.seed, "max_calls": started.call_budget,
                 "cell_id": started.cell_id}
         if self.h.gateway_token_secret:
-            body["token"] = derive_token(self.h.gateway_token_secret.encode(), started.execution_id)
+            body["token"] = derive_execution_token(self.h.gateway_token_secret.encode(), started.execution_id)
         response = await self._http.post(f"{self.h.gateway_url}/internal/executions", json=body, headers=headers)
         response.raise_for_status()
         return str(response.json()["token"])

@@ -12,7 +12,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from services.rollout.conversation import ChatMessage, Conversation, ToolCall, ToolSpec, schema_problem
+from services.rollout.conversation import ChatMessage, Conversation, ToolSpec, schema_problem
+from shared.chat import ToolCall
 from services.rollout.errors import invalid
 
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,128}$")

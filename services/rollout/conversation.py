@@ -9,11 +9,12 @@ import hashlib
 import json
 from collections.abc import Mapping
 from functools import cached_property
-from typing import Any, Literal, Self
+from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict
 
-Role = Literal["system", "user", "assistant", "tool"]
+from shared.chat import MessageRole, ToolCall, template_tool, template_tool_call
+
 
 
 class _Frozen(BaseModel):
@@ -29,15 +30,8 @@ class _Frozen(BaseModel):
         return copy
 
 
-class ToolCall(_Frozen):
-    """One function call made by the assistant; `arguments` is the decoded JSON object."""
-
-    name: str
-    arguments: dict[str, Any]
-
-
 class ChatMessage(_Frozen):
-    role: Role
+    role: MessageRole
     content: str = ""
     tool_calls: tuple[ToolCall, ...] = ()
 
@@ -45,9 +39,7 @@ class ChatMessage(_Frozen):
         """The shape the chat template reads (OpenAI-style tool calls)."""
         out: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.tool_calls:
-            out["tool_calls"] = [
-                {"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in self.tool_calls
-            ]
+            out["tool_calls"] = [template_tool_call(c) for c in self.tool_calls]
         return out
 
     @cached_property
@@ -74,10 +66,7 @@ class ToolSpec(_Frozen):
     parameters: dict[str, Any]
 
     def template_dict(self) -> dict[str, Any]:
-        return {
-            "type": "function",
-            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
-        }
+        return template_tool(self.name, self.description, self.parameters)
 
 
 def schema_problem(schema: dict[str, Any]) -> str | None:

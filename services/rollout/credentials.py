@@ -2,20 +2,16 @@
 
 Two ways to get one, both unguessable and scoped to one execution:
 - registered: the harness asks the gateway (`POST /internal/executions`) and receives a random token;
-- derived: `derive_token(secret, execution_id)` = "gx-<execution_id>.<HMAC-SHA256>", checked statelessly
-  by any gateway sharing the secret, so a restarted gateway still recognises live executions.
+- derived: `shared.execution_tokens.derive_execution_token(secret, execution_id)`, checked statelessly by
+  any gateway sharing the secret, so a restarted gateway still recognises live executions.
 """
 
 from __future__ import annotations
 
 import hashlib
-import hmac
 import secrets
 
-
-def derive_token(secret: bytes, execution_id: str) -> str:
-    mac = hmac.new(secret, execution_id.encode(), hashlib.sha256).hexdigest()
-    return f"gx-{execution_id}.{mac}"
+from shared.execution_tokens import execution_of_token
 
 
 class ExecutionRegistry:
@@ -47,10 +43,8 @@ class ExecutionRegistry:
         found = self._by_digest.get(self._digest(token))
         if found is not None:
             return found
-        if self._secret is not None and token.startswith("gx-") and "." in token:
-            execution_id = token[3:].rsplit(".", 1)[0]
-            if execution_id not in self._revoked and hmac.compare_digest(
-                token, derive_token(self._secret, execution_id)
-            ):
+        if self._secret is not None:
+            execution_id = execution_of_token(self._secret, token)
+            if execution_id is not None and execution_id not in self._revoked:
                 return execution_id
         return None

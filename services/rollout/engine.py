@@ -15,9 +15,6 @@ from typing import Any, Literal, Protocol
 
 from services.rollout.protocol import SamplingSpec
 
-# Request-id prefixes the Gyre KV connector acts on (see kv_connector.py): only these save or load KV.
-KV_SAVE_PREFIX = "kvsave-"
-KV_LOAD_PREFIX = "kvload-"
 RESET_ATTEMPTS = 50  # tries, 0.1 s apart, to drop the prefix cache after a weight swap
 
 

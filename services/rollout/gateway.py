@@ -21,13 +21,14 @@ from starlette.requests import ClientDisconnect
 
 from services.rollout import anthropic_api, openai_api
 from services.rollout.anthropic_api import Completion, ParsedRequest
-from services.rollout.codec import TokenizerCodec, reply_message, tool_call_regex
+from services.rollout.codec import TokenizerCodec, reply_message
 from services.rollout.credentials import ExecutionRegistry
 from services.rollout.errors import ApiError, invalid
 from services.rollout.protocol import SamplingSpec
 from services.rollout.recording import Api, CallRecorder, CompletedCall, RecordingFailed
 from services.rollout.router import NoCapacity, Router, WorkerFailed
 from services.rollout.tito import TitoState
+from shared.chat import tool_call_regex
 from shared.calls import CALL_INDEX_HEADER, call_seed
 from shared.logging import get_logger
 
@@ -199,7 +200,8 @@ class GatewayCore:
                 else call_seed(state.seed, state.answered),
                 stop=parsed.sampling.stop,
                 regex=(
-                    tool_call_regex(parsed.conversation.tools, parsed.sampling.forced_tools)
+                    tool_call_regex([(t.name, t.parameters) for t in parsed.conversation.tools],
+                                    parsed.sampling.forced_tools)
                     if parsed.sampling.forced_tools
                     else None
                 ),

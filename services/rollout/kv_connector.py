@@ -19,7 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
 )
 from vllm.utils.hashing import safe_hash
 
-from services.rollout.engine import KV_LOAD_PREFIX, KV_SAVE_PREFIX
+from services.rollout.kv_handoff import KV_LOAD_PREFIX, KV_SAVE_PREFIX
 
 
 def kv_folder_name(prompt: list[int], block_size: int) -> str:

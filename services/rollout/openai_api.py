@@ -7,7 +7,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from services.rollout.anthropic_api import TOOL_NAME, Completion, ParsedRequest, SamplingRequest
-from services.rollout.conversation import ChatMessage, Conversation, ToolCall, ToolSpec, schema_problem
+from services.rollout.conversation import ChatMessage, Conversation, ToolSpec, schema_problem
+from shared.chat import ToolCall
 from services.rollout.errors import invalid
 
 

@@ -15,7 +15,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from services.rollout.engine import KV_LOAD_PREFIX, KV_SAVE_PREFIX, Engine, EngineOutput
+from services.rollout.engine import Engine, EngineOutput
+from services.rollout.kv_handoff import KV_LOAD_PREFIX, KV_SAVE_PREFIX, kv_prompt
 from services.rollout.protocol import (
     AdoptReply,
     AdoptRequest,
@@ -48,20 +49,6 @@ class WorkerPeers(Protocol):
     def candidates(self, exclude: str) -> list[WorkerStatus]: ...
 
     async def adopt(self, target: str, request: AdoptRequest, history: np.ndarray) -> AdoptReply: ...
-
-
-def kv_prompt(history: np.ndarray, block_size: int) -> np.ndarray | None:
-    """The prompt whose KV is saved and loaded for a migration, or None when no whole block would move.
-
-    vLLM's shared-storage connector keys saved KV by the prompt's first ⌊(n−1)/B⌋·B tokens when saving but
-    ⌊(n−2)/B⌋·B when looking up, so save and load use the same prompt, of a length n with (n−1) mod B ≠ 0.
-    """
-    n = len(history)
-    if (n - 1) % block_size == 0:
-        n -= 1
-    if (n - 1) // block_size < 1:
-        return None
-    return history[:n]
 
 
 class PolicyChanged(Exception):

@@ -41,14 +41,14 @@ EXIT_BAD_LOG = 2
 
 async def _load_from_postgres(selection: Selection) -> LoadedLog:
     """Read the selected events and their blobs; only SELECTs are issued (replay never writes)."""
-    from shared.cli import endpoints
-    from shared.settings import load_settings
     from shared.events import EventError
+    from shared.settings import load_settings
     from shared.store import EventStore, StoreError
 
     settings = load_settings()
-    _, database_url = endpoints(settings)
-    store = await EventStore.connect(database_url, schema=settings.db_schema)
+    if not settings.database_url:  # `gyre` fills it in from a running `gyre up`
+        raise typer.BadParameter("no database configured (GYRE_DATABASE_URL) and none running: run `gyre up` first")
+    store = await EventStore.connect(settings.database_url, schema=settings.db_schema)
     try:
         stored = await store.read_all(types=list(CONSUMED_TYPES), run_id=selection.run)
         events = select_events([s.event for s in stored], selection)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shared.local import free_port
+from gyre.local import free_port
 from tests.conftest import Infra, unique
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,7 +57,7 @@ def test_compose_runs_every_service_from_one_image_with_health_checks():
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_every_service_command_starts_and_passes_its_health_check(store, bus, infra: Infra, tmp_path: Path):
-    from shared.tinymodel import create_tiny_model
+    from gyre.tinymodel import create_tiny_model
 
     model = create_tiny_model(tmp_path / "model", seed=0, size="tiny")
     services = {n: s for n, s in compose()["services"].items() if s.get("image") == "gyre:latest" and n != "migrate"}
@@ -88,7 +88,7 @@ def test_every_service_command_starts_and_passes_its_health_check(store, bus, in
                 "HF_HUB_OFFLINE": "1",
             })
             log = open(tmp_path / f"{name}.log", "wb")
-            argv = [sys.executable, "-m", "shared.cli", *service["command"]]
+            argv = [sys.executable, "-m", "gyre.cli", *service["command"]]
             procs[name] = (subprocess.Popen(argv, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT), port)
         healthy: set[str] = set()
         deadline = time.monotonic() + 420

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shared.launcher import loop_environment
-from shared.local import free_port
-from shared.tinymodel import create_tiny_model
+from gyre.launcher import loop_environment
+from gyre.local import free_port
+from gyre.tinymodel import create_tiny_model
 from tests.conftest import Infra
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.launcher import service_processes, start_all, stop_all
+from gyre.launcher import service_processes, start_all, stop_all
 from tests.conftest import Infra, unique
 from tests.e2e.helpers import loop_test_environment
 
@@ -100,7 +100,7 @@ async def test_one_step_of_the_loop_runs_through_every_service(store, bus, infra
     # `gyre replay --run` rebuilds every batch from the log alone with the digests the live run emitted.
     replay_env = {**env, "GYRE_DB_SCHEMA": store.schema, "COLUMNS": "250"}
     result = subprocess.run(
-        [sys.executable, "-m", "shared.cli", "replay", "--run", run_id, "--verify"],
+        [sys.executable, "-m", "gyre.cli", "replay", "--run", run_id, "--verify"],
         env=replay_env, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.launcher import Proc, service_processes, start_all, stop_all
+from gyre.launcher import Proc, service_processes, start_all, stop_all
 from tests.conftest import Infra, unique
 from tests.e2e.helpers import loop_test_environment
 
@@ -105,7 +105,7 @@ async def test_killing_trajectory_harness_and_trainer_mid_run_loses_and_repeats_
 
     # The log alone rebuilds every batch with the digests the run emitted, crashes included.
     result = subprocess.run(
-        [sys.executable, "-m", "shared.cli", "replay", "--run", run_id, "--verify"],
+        [sys.executable, "-m", "gyre.cli", "replay", "--run", run_id, "--verify"],
         env={**env, "COLUMNS": "250"}, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -22,7 +22,7 @@ from services.harness.tasks import load_task
 def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from transformers import AutoTokenizer
 
-    from shared.tinymodel import create_tiny_model
+    from gyre.tinymodel import create_tiny_model
 
     model_dir = tmp_path_factory.mktemp("tiny")
     create_tiny_model(model_dir, seed=0)

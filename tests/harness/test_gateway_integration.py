@@ -21,6 +21,7 @@ from services.harness.execution import BuiltinHarness, GatewayStatus, run_execut
 from services.harness.external import GatewayAccess
 from services.harness.sandbox import ProcessSandbox, SandboxSpec
 from services.harness.tasks import load_task
+from shared.chat import format_tool_call
 from tests.rollout import fakes
 
 from .conftest import TASKS
@@ -70,8 +71,8 @@ def test_execution_through_the_gateway_is_graded_and_every_call_recorded(tmp_pat
     def script(prompt: list[int]) -> str:
         text = codec_holder[0].decode(prompt)
         if "</tool_response>" in text[-400:] or "tool_response" in text[-400:]:
-            return fakes.tool_call_text("submit", {"answer": "file written"})
-        return fakes.tool_call_text("shell", {"command": "printf 'hello world\\n' > hello.txt"}, "Writing the file.")
+            return format_tool_call("submit", {"answer": "file written"})
+        return format_tool_call("shell", {"command": "printf 'hello world\\n' > hello.txt"}, "Writing the file.")
 
     codec, stack = gateway_stack(script)
     codec_holder.append(codec)
@@ -95,7 +96,7 @@ def test_execution_through_the_gateway_is_graded_and_every_call_recorded(tmp_pat
 
 
 def test_retry_through_the_gateway_resends_the_same_prompt(box: ProcessSandbox) -> None:
-    replies = iter(['<tool_call>\n{"name": "shell", "argum\n</tool_call>', fakes.tool_call_text("submit", {})])
+    replies = iter(['<tool_call>\n{"name": "shell", "argum\n</tool_call>', format_tool_call("submit", {})])
     codec, stack = gateway_stack(lambda prompt: next(replies))
     token = stack.registry.register("execution-gw-2")
     sink = Sink()
@@ -112,9 +113,9 @@ def test_retry_through_the_gateway_resends_the_same_prompt(box: ProcessSandbox) 
 def test_compaction_summary_call_is_accepted_by_the_gateway(box: ProcessSandbox) -> None:
     replies = iter(
         [
-            fakes.tool_call_text("shell", {"command": "echo step one > a.txt"}),
+            format_tool_call("shell", {"command": "echo step one > a.txt"}),
             "Summary: a.txt holds step one.",
-            fakes.tool_call_text("submit", {"answer": "ok"}),
+            format_tool_call("submit", {"answer": "ok"}),
         ]
     )
     codec, stack = gateway_stack(lambda prompt: next(replies))
@@ -184,7 +185,7 @@ def test_claude_code_through_the_relay_to_the_real_gateway(tmp_path: Path, best_
         tail = codec_holder[0].decode(prompt[-3000:])
         if "tool_response" in tail:
             return "Done: hello.txt written."
-        return fakes.tool_call_text("Bash", {"command": "printf 'hello world\\n' > hello.txt", "description": "write"})
+        return format_tool_call("Bash", {"command": "printf 'hello world\\n' > hello.txt", "description": "write"})
 
     codec = fakes.CharCodec()
     codec_holder.append(codec)

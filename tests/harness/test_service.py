@@ -276,9 +276,9 @@ async def test_a_dispatch_naming_a_harness_runs_that_one_and_start_sweeps_orphan
     (started,) = [e.data for e in events if e.type == "execution.started"]
     assert started.harness == "claude-code" and asked == ["claude-code"]
     assert swept == [True]
-    from services.rollout.credentials import derive_token
+    from shared.execution_tokens import derive_execution_token
 
-    assert server.registrations[0]["token"] == derive_token(b"s" * 32, started.execution_id)  # type: ignore[attr-defined]
+    assert server.registrations[0]["token"] == derive_execution_token(b"s" * 32, started.execution_id)  # type: ignore[attr-defined]
 
 
 def test_the_harness_a_dispatch_names_is_the_one_that_runs(tmp_path: Path) -> None:

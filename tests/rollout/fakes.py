@@ -22,7 +22,7 @@ from services.rollout.protocol import AdoptReply, AdoptRequest, GenerateReply, G
 from services.rollout.recording import InMemoryCallRecorder
 from services.rollout.router import Router, WorkerDirectory, WorkerUnreachable
 from services.rollout.worker import RolloutWorker
-from shared.tinymodel import chat_template
+from shared.chat import chat_template
 
 SPECIALS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
 
@@ -162,11 +162,6 @@ class LocalWorkers:
         return await self.workers[target].adopt(request, history)
 
 
-def tool_call_text(name: str, arguments: dict[str, Any], text: str = "") -> str:
-    body = json.dumps({"name": name, "arguments": arguments})
-    return f"{text}\n<tool_call>\n{body}\n</tool_call>" if text else f"<tool_call>\n{body}\n</tool_call>"
-
-
 # ---- an in-process gateway over fake or real engines ------------------------------------------------
 
 
@@ -233,4 +228,4 @@ def build_stack(
     return stack
 
 
-__all__ = ["CharCodec", "LocalWorkers", "ScriptedEngine", "Stack", "build_stack", "reply_message", "tool_call_text"]
+__all__ = ["CharCodec", "LocalWorkers", "ScriptedEngine", "Stack", "build_stack", "reply_message"]

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from services.rollout import anthropic_api, openai_api
-from services.rollout.codec import reply_message, tool_call_regex
-from services.rollout.conversation import ChatMessage, ToolCall
+from services.rollout.codec import reply_message
+from services.rollout.conversation import ChatMessage
+from shared.chat import ToolCall, tool_call_regex
 from services.rollout.errors import ApiError
 
 SCHEMA = {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}
@@ -89,9 +90,7 @@ def test_malformed_tool_calls_stay_visible_in_the_reply_text() -> None:
 def test_forced_tool_regex_accepts_the_template_format() -> None:
     import re
 
-    from services.rollout.conversation import ToolSpec
-
-    regex = tool_call_regex((ToolSpec(name="bash", parameters=SCHEMA), ToolSpec(name="read", parameters={
-        "type": "object", "properties": {"path": {"type": "string"}, "limit": {"type": "integer"}}})), ("read",))
+    regex = tool_call_regex([("bash", SCHEMA), ("read", {
+        "type": "object", "properties": {"path": {"type": "string"}, "limit": {"type": "integer"}}})], ("read",))
     assert re.fullmatch(regex, '<tool_call>\n{"name": "read", "arguments": {"path": "a.py", "limit": 10}}\n</tool_call>')
     assert not re.fullmatch(regex, '<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>')

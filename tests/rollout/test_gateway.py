@@ -12,7 +12,8 @@ import pytest
 
 from shared.calls import CALL_INDEX_HEADER, CallTokens, ExecutionSequences, CallRecord
 from shared.events import ExecutionBranched
-from tests.rollout.fakes import CharCodec, ScriptedEngine, build_stack, tool_call_text
+from shared.chat import format_tool_call
+from tests.rollout.fakes import CharCodec, ScriptedEngine, build_stack
 
 CODEC = CharCodec()
 BASH = {
@@ -27,7 +28,7 @@ def tool_then_text(prompt: list[int]) -> str:
     text = CODEC.decode(prompt)
     if text.rstrip().endswith("</tool_response>\nassistant") or "</tool_response>" in text[-200:]:
         return "done: " + str(len(prompt))
-    return tool_call_text("bash", {"command": f"echo {len(prompt)}"}, "Let me run it.")
+    return format_tool_call("bash", {"command": f"echo {len(prompt)}"}, "Let me run it.")
 
 
 @pytest.fixture
@@ -327,7 +328,7 @@ async def test_a_restarted_gateway_takes_seed_budget_and_end_from_the_log() -> N
     log holds its end is refused."""
     from datetime import UTC, datetime
 
-    from services.rollout.credentials import derive_token
+    from shared.execution_tokens import derive_execution_token
     from shared.calls import call_seed
     from shared.events import ExecutionFinished, ExecutionStarted, new_event
 
@@ -338,7 +339,7 @@ async def test_a_restarted_gateway_takes_seed_budget_and_end_from_the_log() -> N
     stack.recorder.events.append(new_event(started, run_id="test", stream_id="execution-exec-r", version=1,
                                            occurred_at=datetime.now(UTC)))
     user = [{"role": "user", "content": "hi"}]
-    token = derive_token(b"test-secret", "exec-r")
+    token = derive_execution_token(b"test-secret", "exec-r")
     async with stack.http() as http:
         r = await http.post("/internal/executions", json={"execution_id": "exec-r", "seed": 7, "max_calls": 3,
                                                           "cell_id": "cell-1", "token": token})
@@ -408,14 +409,14 @@ async def test_no_capacity_is_429_with_retry_after() -> None:
 
 
 async def test_derived_tokens_identify_executions_without_registration(stack) -> None:
-    from services.rollout.credentials import derive_token
+    from shared.execution_tokens import derive_execution_token
 
-    token = derive_token(b"test-secret", "exec-derived")
+    token = derive_execution_token(b"test-secret", "exec-derived")
     await stack.anthropic(token).messages.create(model="tiny", max_tokens=20,
                                                  messages=[{"role": "user", "content": "hi"}])
     assert len(stack.recorder.calls("exec-derived")) == 1
     with pytest.raises(anthropic.AuthenticationError):
-        await stack.anthropic(derive_token(b"other-secret", "exec-derived")).messages.create(
+        await stack.anthropic(derive_execution_token(b"other-secret", "exec-derived")).messages.create(
             model="tiny", max_tokens=20, messages=[{"role": "user", "content": "hi"}])
 
 

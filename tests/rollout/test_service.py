@@ -11,14 +11,14 @@ import httpx2
 import pytest
 
 from services.rollout.codec import TokenizerCodec
-from services.rollout.credentials import derive_token
+from shared.execution_tokens import derive_execution_token
 from services.rollout.service import RolloutGatewayService, RolloutSettings
 from services.rollout.transport import WorkerServer
 from services.rollout.worker import RolloutWorker
 from shared.bus import Bus
 from shared.events import CallCompleted, ExecutionFinished, new_event
 from shared.settings import Settings
-from shared.tinymodel import create_tiny_model
+from gyre.tinymodel import create_tiny_model
 from tests.conftest import drop_store, make_store, unique
 from tests.rollout.fakes import ScriptedEngine
 
@@ -49,7 +49,7 @@ async def test_gateway_service_records_calls_and_forgets_finished_executions(inf
     try:
         while not service.core.router.directory.live():
             await asyncio.sleep(0.05)
-        token = derive_token(b"s3cret", "exec-svc")
+        token = derive_execution_token(b"s3cret", "exec-svc")
         client = anthropic.AsyncAnthropic(api_key=token, base_url=f"http://127.0.0.1:{port}", max_retries=0,
                                           http_client=httpx2.AsyncClient())
         for _ in range(50):  # uvicorn binds shortly after start()

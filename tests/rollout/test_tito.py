@@ -10,7 +10,8 @@ from services.rollout.codec import reply_message
 from services.rollout.conversation import ChatMessage, Conversation, ToolSpec
 from services.rollout.recording import ExecutionLog
 from services.rollout.tito import TitoState
-from tests.rollout.fakes import CharCodec, tool_call_text
+from shared.chat import format_tool_call
+from tests.rollout.fakes import CharCodec
 
 CODEC = CharCodec()
 TOOLS = (
@@ -24,7 +25,7 @@ TOOLS = (
 texts = st.text(alphabet="abcdefgh xyz.\n{}\"", min_size=0, max_size=30)
 replies = st.one_of(
     texts,
-    st.builds(lambda t, c: tool_call_text("bash", {"command": c}, t), texts, texts),
+    st.builds(lambda t, c: format_tool_call("bash", {"command": c}, t), texts, texts),
 )
 
 

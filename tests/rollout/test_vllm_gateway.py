@@ -14,7 +14,7 @@ from services.rollout.codec import TokenizerCodec
 from services.rollout.protocol import SamplingSpec
 from shared.calls import CallTokens
 from shared.events import ExecutionBranched
-from shared.tinymodel import create_tiny_model
+from gyre.tinymodel import create_tiny_model
 from tests.rollout.fakes import build_stack
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from services.rollout.protocol import DrainRequest, GenerateRequest, SamplingSpec, TokenPayload, tokens_digest
 from services.rollout.router import NoCapacity, Router, WorkerDirectory
-from services.rollout.worker import RolloutWorker, kv_prompt
+from services.rollout.kv_handoff import kv_prompt
+from services.rollout.worker import RolloutWorker
 from shared.events import KvMigrated, KvMigrationRefused
 from tests.rollout.fakes import CharCodec, LocalWorkers, ScriptedEngine, build_stack
 

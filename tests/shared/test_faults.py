@@ -14,7 +14,7 @@ import pytest
 
 from shared.bus import Bus, ConsumerOptions
 from shared.events import Event
-from shared.local import EmbeddedNats
+from gyre.local import EmbeddedNats
 from shared.relay import OutboxRelay
 from shared.runtime import Service
 from shared.settings import Settings
@@ -246,7 +246,7 @@ async def test_a_service_handles_its_own_run_only(store, bus, infra: Infra):
 async def test_a_background_task_that_dies_makes_the_service_unhealthy(store, bus, infra: Infra):
     """A consumer or background task ending in an error would leave the process up but idle: the health
     endpoint must say so (503, naming the task), so a supervisor restarts it and it resumes from the log."""
-    from shared.local import free_port
+    from gyre.local import free_port
 
     class Broken(EffectService):
         async def setup(self) -> None:

@@ -17,7 +17,7 @@ from shared.bus import ConsumerOptions
 from shared.events import BatchReady, Event, new_event
 from shared.settings import Settings
 from shared.store import EventStore
-from shared.tinymodel import create_tiny_model
+from gyre.tinymodel import create_tiny_model
 from tests.conftest import Infra, RunningRelay, unique
 from tests.trainer.trainer_trees import make_batch
 

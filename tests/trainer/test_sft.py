@@ -13,7 +13,7 @@ from services.trainer.cli import train_app
 from services.trainer.distributed import free_port, latest_checkpoint, read_trainer_state
 from services.trainer.packed_forward import packed_logprobs, to_tensors
 from services.trainer.sft import SftDataError, load_conversations, pack_sequences, render_conversation
-from shared.tinymodel import create_tiny_model
+from gyre.tinymodel import create_tiny_model
 from tests.trainer.trainer_trees import flat_logprobs, make_batch
 
 SYSTEM = {"role": "system", "content": "You add numbers."}

@@ -17,7 +17,7 @@ from services.trainer.distributed import GroupSpec, free_port
 from services.trainer.engine import Trainer, TrainerConfig
 from services.trainer.loss import GspoConfig
 from services.trainer.weights import load_weights, write_model_dir
-from shared.tinymodel import create_tiny_model
+from gyre.tinymodel import create_tiny_model
 from tests.trainer.trainer_trees import make_batch
 
 REPO = Path(__file__).resolve().parents[2]

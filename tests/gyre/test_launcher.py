@@ -10,8 +10,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from shared import launcher
-from shared.cli import _mount, app
+from gyre import launcher
+from gyre.cli import _mount, app
 
 
 @pytest.mark.parametrize(
@@ -89,7 +89,7 @@ def test_strays_of_a_run_are_reaped_and_no_other_process() -> None:
 def test_each_run_gets_its_own_block_of_cell_ports(tmp_path: Path) -> None:
     import socket
 
-    from shared.local import free_port_block
+    from gyre.local import free_port_block
 
     base = free_port_block(3)
     for port in range(base, base + 3):
@@ -138,14 +138,14 @@ def test_sigterm_stops_every_service_as_ctrl_c_does(tmp_path: Path, monkeypatch:
     import os
     import signal
 
-    from shared import local
+    from gyre import local
 
     repo_tasks = Path("tasks").resolve()
     (tmp_path / "tasks").symlink_to(repo_tasks)
     monkeypatch.chdir(tmp_path)
     stopped: list[str] = []
     monkeypatch.setattr(local, "up", lambda *a, **k: local.Endpoints("nats://x:1", "postgresql://x@y:2/z", True, True))
-    monkeypatch.setattr("shared.tinymodel.create_tiny_model", lambda path, **k: path)
+    monkeypatch.setattr("gyre.tinymodel.create_tiny_model", lambda path, **k: path)
     monkeypatch.setattr(launcher, "start_all", lambda procs, env, log_dir: None)
     monkeypatch.setattr(launcher, "stop_all", lambda procs, run_id=None: stopped.append(run_id or ""))
 

@@ -1,6 +1,6 @@
 """`make demo`: the main job on a fresh machine — the RL loop (`gyre run`) on the tiny model.
 
-`python -m shared.demo --foundation` instead only brings up the infrastructure, creates the tiny model
+`python -m gyre.demo --foundation` instead only brings up the infrastructure, creates the tiny model
 and sends events through the log → relay → JetStream path.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from shared import local
+from gyre import local
 from shared.settings import load_settings
 
 console = Console()
@@ -32,7 +32,7 @@ def main() -> int:
 
     model_dir = Path("runs/demo/model")
     started = time.perf_counter()
-    from shared.tinymodel import create_tiny_model, model_info
+    from gyre.tinymodel import create_tiny_model, model_info
 
     create_tiny_model(model_dir, seed=0, size="tiny", overwrite=True)
     info = model_info(model_dir)
@@ -50,7 +50,7 @@ def main() -> int:
 
 def run_loop() -> int:
     """The RL loop with every service as its own process (`gyre run`), sized for a 2-core machine."""
-    from shared.launcher import run
+    from gyre.launcher import run
 
     console.rule("[bold]Gyre demo: the RL loop")
     console.print(

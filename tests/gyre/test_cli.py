@@ -17,7 +17,7 @@ from tests.shared.helpers import assigned
 
 def gyre(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "shared.cli", *args], env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "gyre.cli", *args], env=env, capture_output=True, text=True, timeout=timeout
     )
 
 

@@ -15,7 +15,7 @@ from shared.events import (
     StepCompleted,
     new_event,
 )
-from shared.report import build_report, summary_lines, write_report
+from gyre.report import build_report, summary_lines, write_report
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 

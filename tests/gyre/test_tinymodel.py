@@ -1,4 +1,6 @@
-"""Tests for shared.tinymodel: determinism, loading in transformers and vLLM, the chat and tool-call format."""
+"""Tests for gyre.tinymodel: determinism, loading in transformers and vLLM, the template it installs.
+
+The chat format's parser is tested in tests/shared/test_chat.py."""
 
 from __future__ import annotations
 
@@ -13,17 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from shared.tinymodel import (
-    ADDED_TOKENS,
-    ModelDirError,
-    ToolCall,
-    create_tiny_model,
-    model_info,
-    parse_tool_calls,
-)
+from gyre.tinymodel import ModelDirError, create_tiny_model, model_info
+from shared.chat import ADDED_TOKENS
 
 EXPECTED_FILES = {
     "config.json",
@@ -76,7 +70,7 @@ def test_same_seed_is_byte_identical_across_processes_and_thread_counts(tiny_dir
     # Hash seeds and rayon thread counts differ between processes; the BPE training must not care.
     out = tmp_path / "other-process"
     env = {**os.environ, "RAYON_NUM_THREADS": "1", "PYTHONHASHSEED": "12345"}
-    code = f"from pathlib import Path; from shared.tinymodel import create_tiny_model; create_tiny_model(Path({str(out)!r}), seed=7)"
+    code = f"from pathlib import Path; from gyre.tinymodel import create_tiny_model; create_tiny_model(Path({str(out)!r}), seed=7)"
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
     assert _digests(out) == _digests(tiny_dir)
 
@@ -222,67 +216,6 @@ def test_chat_template_without_tools_renders_plain_chatml(tokenizer: Any) -> Non
     assert tokenizer.apply_chat_template(with_system, tokenize=False, add_generation_prompt=True) == (
         "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     )
-
-
-# ---------------------------------------------------------------------------------------------------
-# Tool-call parsing
-
-
-def test_parse_tool_calls_separates_content_calls_and_malformed_blocks() -> None:
-    text = (
-        'Let me look.\n<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>'
-        "\n<tool_call>\nnot json\n</tool_call>"
-        '\n<tool_call>\n{"name": "Read", "arguments": "{\\"path\\": \\"a\\"}"}\n</tool_call>'
-        '\n<tool_call>\n{"name": "bash", "arguments": {"comm'
-    )
-    parsed = parse_tool_calls(text)
-    assert parsed.content == "Let me look."
-    assert parsed.tool_calls == (
-        ToolCall(name="bash", arguments={"command": "ls"}),
-        ToolCall(name="Read", arguments={"path": "a"}),
-    )
-    assert parsed.malformed == (
-        "<tool_call>\nnot json\n</tool_call>",
-        '<tool_call>\n{"name": "bash", "arguments": {"comm',
-    )
-
-
-@pytest.mark.parametrize(
-    "body",
-    ['["bash"]', '{"arguments": {}}', '{"name": 3, "arguments": {}}', '{"name": "x", "arguments": [1]}'],
-)
-def test_parse_tool_calls_rejects_blocks_without_a_name_and_argument_object(body: str) -> None:
-    parsed = parse_tool_calls(f"<tool_call>{body}</tool_call>")
-    assert parsed.tool_calls == () and parsed.malformed == (f"<tool_call>{body}</tool_call>",)
-
-
-def test_parse_tool_calls_of_plain_text_is_just_content() -> None:
-    assert parse_tool_calls("  just words \n").model_dump() == {"content": "just words", "tool_calls": (), "malformed": ()}
-
-
-_json_scalars = st.none() | st.booleans() | st.integers(-(10**6), 10**6) | st.text(max_size=12)
-_arguments = st.dictionaries(
-    st.text(min_size=1, max_size=8), st.recursive(_json_scalars, lambda c: st.lists(c, max_size=3), max_leaves=5),
-    max_size=4,
-)
-_calls = st.lists(
-    st.builds(ToolCall, name=st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,11}", fullmatch=True), arguments=_arguments),
-    min_size=1,
-    max_size=3,
-)
-
-
-@settings(max_examples=60, deadline=None)
-@given(content=st.text(max_size=30).filter(lambda s: "<tool_call>" not in s), calls=_calls)
-def test_rendered_tool_calls_parse_back_to_the_same_calls(tokenizer: Any, content: str, calls: list[ToolCall]) -> None:
-    # The gateway renders history with the template and parses generations with parse_tool_calls;
-    # an assistant turn rendered by one must read back identically through the other.
-    message = {"role": "assistant", "content": content, "tool_calls": [c.model_dump() for c in calls]}
-    rendered = tokenizer.apply_chat_template([message], tokenize=False)
-    body = rendered.removeprefix("<|im_start|>assistant\n").removesuffix("<|im_end|>\n")
-    parsed = parse_tool_calls(body)
-    assert parsed.tool_calls == tuple(calls)
-    assert parsed.content == content.strip() and parsed.malformed == ()
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
+import os
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from shared import local
+from gyre import local
 from shared.settings import Settings, load_settings
 
 console = Console(stderr=True)
@@ -34,7 +35,7 @@ LAZY_GROUPS: dict[str, tuple[str, str, str]] = {
     "harness": ("services.harness.cli", "harness_app", "Tasks, sandboxes and executions."),
     "rollout": ("services.rollout.cli", "rollout_app", "Rollout gateway and workers."),
     "scheduler": ("services.scheduler.cli", "scheduler_app", "The live scheduler and cell agents."),
-    "run": ("shared.launcher", "run_app", "Run the whole RL loop: every service as a process, live view, report."),
+    "run": ("gyre.launcher", "run_app", "Run the whole RL loop: every service as a process, live view, report."),
 }
 
 StateDir = Annotated[Optional[Path], typer.Option("--state-dir", help="Where embedded servers keep their data.")]
@@ -123,7 +124,7 @@ def model_init(
     overwrite: Annotated[bool, typer.Option(help="Replace an existing model directory.")] = False,
 ) -> None:
     """Create a Hugging Face–format causal LM with a locally trained tokenizer, deterministic from the seed."""
-    from shared.tinymodel import create_tiny_model, model_info
+    from gyre.tinymodel import create_tiny_model, model_info
 
     if size not in ("tiny", "small"):
         raise typer.BadParameter(f"--size must be tiny or small, got {size!r}")
@@ -223,14 +224,28 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from pydantic import ValidationError
 
     from shared.settings import SettingsError
-    from shared.tinymodel import TinyModelError
+    from gyre.tinymodel import TinyModelError
 
     return (SettingsError, ValidationError, local.LocalInfraError, TinyModelError, FileNotFoundError)
+
+
+def _export_endpoints() -> None:
+    """Hand the services' own commands the servers of a running `gyre up` when no URLs are configured: they
+    read settings only and know nothing of the local launcher."""
+    settings = load_settings()
+    if settings.nats_url and settings.database_url:
+        return
+    found = local.read_endpoints(settings.state_dir)
+    if found is None or not local.is_running(settings.state_dir):
+        return
+    os.environ.setdefault("GYRE_NATS_URL", settings.nats_url or found.nats_url)
+    os.environ.setdefault("GYRE_DATABASE_URL", settings.database_url or found.database_url)
 
 
 def main() -> None:
     args = sys.argv[1:]
     if args and args[0] in LAZY_GROUPS:
+        _export_endpoints()
         _mount(args[0])
     elif not args or args[0] in ("--help", "-h"):
         for name in LAZY_GROUPS:

@@ -26,8 +26,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from shared import local
-from shared.report import build_report, summary_lines, write_report
+from gyre import local
+from gyre.report import build_report, summary_lines, write_report
 from shared.settings import load_settings, new_run_id
 
 console = Console()
@@ -334,7 +334,7 @@ def warm_start(python: str, base: Path, run_dir: Path, options: WarmStart, seed:
         slip_rate=options.slip_rate,
     )
     argv = [
-        python, "-m", "shared.cli", "train", "sft", "--model", str(base), "--data", str(data), "--out", str(out),
+        python, "-m", "gyre.cli", "train", "sft", "--model", str(base), "--data", str(data), "--out", str(out),
         "--lr", str(options.lr), "--conversations-per-step", str(options.conversations_per_step),
         "--epochs", "1", "--precision", "fp32",
     ]
@@ -404,7 +404,7 @@ def run(
     run_dir = Path("runs") / run_id
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     console.print(f"[bold]run {run_id}[/] — mode {mode}, {steps} steps, G={group_size}, staleness {max_staleness}")
-    from shared.tinymodel import create_tiny_model
+    from gyre.tinymodel import create_tiny_model
 
     model_dir = create_tiny_model(run_dir / "model", seed=seed, size="tiny")
     env = loop_environment(
