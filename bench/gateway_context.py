@@ -74,7 +74,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     from services.rollout.codec import TokenizerCodec
     from services.rollout.credentials import ExecutionRegistry
     from services.rollout.gateway import GatewayCore, create_app
-    from services.rollout.protocol import WorkerStatus
+    from shared.worker_status import WorkerStatus
     from services.rollout.recording import InMemoryCallRecorder
     from services.rollout.router import Router, WorkerDirectory
     from gyre.tinymodel import create_tiny_model

@@ -46,7 +46,7 @@ async def _recorded_calls(store: Any, execution_ids: list[str]) -> tuple[dict[st
             c = item.event.data
             if getattr(c, "call_index", None) is None or item.event.type != "call.completed":
                 continue
-            tokens = CallTokens.decode(await store.get_blob(c.record))
+            tokens = CallTokens.decode(await store.blobs.get(c.record))
             seq = seqs.add(CallRecord(execution_id=c.execution_id, call_id=c.call_id, call_index=c.call_index,
                                       parent_call_index=c.parent_call_index, parent_prefix_len=c.parent_prefix_len,
                                       tokens=tokens, policy_version=c.policy_version))

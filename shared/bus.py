@@ -1,19 +1,15 @@
-"""The event bus on NATS JetStream: one stream per event family, deduplicated publish, durable pull
-consumers with explicit ack and a dead-letter subject, request/reply for the data path, and blobs in the
-JetStream Object Store.
+"""The event bus on NATS JetStream: one stream per event family, deduplicated publish, durable pull consumers
+(shared/consumer.py) with a dead-letter subject, request/reply for the data path, and a bucket of the JetStream
+Object Store (shared/objects.py) for large payloads.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 import json
 import re
-import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import nats
@@ -24,9 +20,10 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StorageType, StreamConfig
 
-from shared.events import REGISTRY, Event, EventError, parse_event
+from shared.consumer import ConsumerOptions, Handler, JetStreamConsumer, PoisonMessage
+from shared.events import REGISTRY, Event
 from shared.logging import get_logger
-from shared.tokens import digest_of
+from shared.objects import ObjectDigestMismatch, ObjectFetchTimeout, ObjectStore
 
 FAMILIES: tuple[str, ...] = tuple(sorted({t.split(".", 1)[0] for t in REGISTRY}))
 DLQ_REASON = "Gyre-Dlq-Reason"
@@ -40,37 +37,11 @@ class BusError(Exception):
     pass
 
 
-class ObjectDigestMismatch(BusError):
-    def __init__(self, name: str, expected: str, actual: str) -> None:
-        super().__init__(f"object {name!r}: expected digest {expected}, read {actual}")
-
-
-class ObjectFetchTimeout(BusError):
-    """An Object Store read stopped arriving (its chunks were purged by a put of the same name, or are gone)."""
-
-    def __init__(self, name: str, received: int, stall_s: float) -> None:
-        super().__init__(f"object {name!r}: {received} B arrived, then nothing for {stall_s:.0f} s")
-
-
 class PublishFailed(BusError):
     """JetStream refused or did not acknowledge a publish (no stream for the subject, a limit, a timeout)."""
 
 
-class PoisonMessage(BusError):
-    """Raised by a handler to dead-letter a message at once (it can never succeed)."""
-
-
-Handler = Callable[[Event, Msg], Awaitable[None]]
 RequestHandler = Callable[[bytes], Awaitable[bytes]]
-
-
-@dataclass(frozen=True)
-class ConsumerOptions:
-    ack_wait_s: float = 30.0
-    max_deliver: int = 5
-    backoff_s: Sequence[float] = (0.5, 2.0, 5.0)
-    batch: int = 256
-    fetch_timeout_s: float = 1.0
 
 
 class Bus:
@@ -80,7 +51,7 @@ class Bus:
         self.prefix = prefix
         self.duplicate_window_s = duplicate_window_s
         self._stream_prefix = re.sub(r"[^A-Za-z0-9_-]", "_", prefix).upper()
-        self._object_store: Any = None
+        self.objects = ObjectStore(js, f"{self._stream_prefix}-blobs".lower())
         self._acks_subject: str | None = None
         self._pending_acks: dict[str, _PendingAcks] = {}
 
@@ -315,83 +286,17 @@ class Bus:
 
         return await self.nc.subscribe(subject, queue=queue, cb=on_msg)
 
-    # ---- object store ----
-
-    async def _objects(self) -> Any:
-        if self._object_store is None:
-            bucket = f"{self._stream_prefix}-blobs".lower()
-            try:
-                self._object_store = await self.js.object_store(bucket)
-            except nats.js.errors.BucketNotFoundError:
-                self._object_store = await self.js.create_object_store(bucket)
-        return self._object_store
+    # ---- object store (large payloads by digest) ----
 
     async def put_object(self, data: bytes, *, name: str | None = None) -> str:
-        """Store bytes under their digest (or `name`); returns the digest.
-
-        Under its digest an object is written once: a second put of the same bytes (a trainer publishing
-        weights a step did not change, say) is skipped, because the Object Store replaces an object by writing
-        new chunks and purging the old ones, and a reader still on the old chunks would then wait for ever.
-        A put under an explicit `name` replaces what is there."""
-        digest = digest_of(data)
-        store = await self._objects()
-        key = name or digest.replace(":", "-")
-        if name is None:
-            try:
-                info = await store.get_info(key)
-            except nats.js.errors.NotFoundError:
-                info = None
-            if info is not None and info.size == len(data) and info.digest == _nats_digest(digest):
-                return digest
-        await store.put(key, io.BytesIO(data))
-        return digest
+        """Store bytes in this bus's bucket under their digest (or `name`): see `ObjectStore.put_object`."""
+        return await self.objects.put_object(data, name=name)
 
     async def get_object(
         self, name_or_digest: str, *, expected_digest: str | None = None, stall_s: float = 60.0
     ) -> bytes:
-        """Read an object whole. A read during which no chunk arrives for `stall_s` (its chunks were purged, say)
-        fails with ObjectFetchTimeout instead of waiting for ever; a large object that keeps arriving, however
-        slowly, is read to the end."""
-        store = await self._objects()
-        name = name_or_digest.replace(":", "-")
-        sink = _Sink()
-        reading = asyncio.ensure_future(store.get(name, writeinto=sink))
-        try:
-            while not reading.done():
-                await asyncio.wait({reading}, timeout=min(stall_s, 5.0))
-                if not reading.done() and time.monotonic() - sink.at > stall_s:
-                    # nats-py's read leaves its ordered consumer subscribed when cancelled (rare: this path only).
-                    raise ObjectFetchTimeout(name, len(sink.data), stall_s)
-            reading.result()
-        finally:
-            if not reading.done():
-                reading.cancel()
-        data = bytes(sink.data)
-        expected = expected_digest or (name_or_digest if name_or_digest.startswith("sha256") else None)
-        if expected and digest_of(data) != expected.replace("-", ":", 1):
-            raise ObjectDigestMismatch(name, expected, digest_of(data))
-        return data
-
-
-class _Sink(io.RawIOBase):
-    """Where an Object Store read writes its chunks (from a worker thread): the bytes, and when the last came."""
-
-    def __init__(self) -> None:
-        self.data = bytearray()
-        self.at = time.monotonic()
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b: Any) -> int:
-        self.data += b
-        self.at = time.monotonic()
-        return len(b)
-
-
-def _nats_digest(digest: str) -> str:
-    """Our `sha256:<hex>` digest as the Object Store records it (ObjectInfo.digest): the same hash, spelt apart."""
-    return "SHA-256=" + base64.urlsafe_b64encode(bytes.fromhex(digest.split(":", 1)[1])).decode()
+        """Read an object whole: see `ObjectStore.get_object`."""
+        return await self.objects.get_object(name_or_digest, expected_digest=expected_digest, stall_s=stall_s)
 
 
 def _json_str(text: str) -> bytes:
@@ -429,106 +334,14 @@ class _PendingAcks:
             self.done.set_result(None)
 
 
-class JetStreamConsumer:
-    """Fetch → parse → handle → ack. Malformed events and exhausted redeliveries go to the dead-letter subject."""
-
-    def __init__(
-        self,
-        bus: Bus,
-        name: str,
-        sub: JetStreamContext.PullSubscription,
-        options: ConsumerOptions,
-        *,
-        types: frozenset[str] | None = None,
-    ) -> None:
-        self.bus = bus
-        self.name = name
-        self.sub = sub
-        self.options = options
-        self.types = types  # None: every type the subscription delivers
-        self.skipped_types = 0
-
-    async def run(self, handler: Handler, stop: asyncio.Event) -> None:
-        try:
-            await self._loop(handler, stop)
-        finally:
-            if not self.bus.nc.is_closed:
-                try:
-                    await self.sub.unsubscribe()
-                except Exception:  # already gone with the connection
-                    pass
-
-    async def _loop(self, handler: Handler, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            try:
-                msgs = await self.sub.fetch(self.options.batch, timeout=self.options.fetch_timeout_s)
-            except asyncio.TimeoutError:  # nats raises both its own subclass and the plain one
-                continue
-            except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError) as exc:
-                if self.bus.nc.is_closed:
-                    return
-                log.warning("fetch_interrupted", consumer=self.name, error=str(exc))
-                await asyncio.sleep(0.25)
-                continue
-            except nats.js.errors.APIError as exc:
-                log.warning("fetch_failed", consumer=self.name, error=str(exc))
-                await asyncio.sleep(0.25)
-                continue
-            for msg in msgs:
-                try:
-                    await self.handle_one(msg, handler)
-                except Exception:  # e.g. a dead-letter publish or an ack lost to a reconnect: not acked, so
-                    # the server delivers the message again after `ack_wait`; the loop must not die with it
-                    log.exception("delivery_failed", consumer=self.name, subject=msg.subject)
-
-    async def _while_in_progress(self, msg: Msg, work: Awaitable[None]) -> None:
-        """Run a handler, telling the server every third of `ack_wait` that the message is still being worked
-        on: a trainer step may take many minutes and must not be redelivered meanwhile, while a message whose
-        consumer died comes back after one `ack_wait`."""
-
-        async def beat() -> None:
-            while True:
-                await asyncio.sleep(self.options.ack_wait_s / 3)
-                try:
-                    await msg.in_progress()
-                except Exception as exc:  # a lost beat costs at worst a redelivery, which tracking absorbs
-                    log.warning("progress_ack_failed", consumer=self.name, error=str(exc))
-
-        beating = asyncio.create_task(beat())
-        try:
-            await work
-        finally:
-            beating.cancel()
-
-    async def handle_one(self, msg: Msg, handler: Handler) -> None:
-        try:
-            event = parse_event(msg.data)
-        except EventError as exc:
-            await self.bus.dead_letter(self.name, msg, f"malformed event: {exc}")
-            await msg.term()
-            return
-        if self.types is not None and event.type not in self.types:
-            self.skipped_types += 1  # a family wildcard on a server without multi-subject filters
-            await msg.ack()
-            return
-        try:
-            await self._while_in_progress(msg, handler(event, msg))
-        except PoisonMessage as exc:
-            await self.bus.dead_letter(self.name, msg, f"poison: {exc}")
-            await msg.term()
-            return
-        except Exception as exc:
-            delivered = msg.metadata.num_delivered
-            if delivered >= self.options.max_deliver:
-                await self.bus.dead_letter(
-                    self.name, msg, f"handler failed {delivered} times; last error {type(exc).__name__}: {exc}"
-                )
-                await msg.term()
-            else:
-                backoff = self.options.backoff_s
-                delay = backoff[min(delivered - 1, len(backoff) - 1)] if backoff else 0.5
-                log.warning("handler_failed", consumer=self.name, type=event.type, error=str(exc), retry_in=delay)
-                await msg.nak(delay=delay)
-            return
-        # A fire-and-forget ack: a lost one means a redelivery, which tracking turns into a no-op.
-        await msg.ack()
+__all__ = [
+    "Bus",
+    "BusError",
+    "ConsumerOptions",
+    "Handler",
+    "JetStreamConsumer",
+    "ObjectDigestMismatch",
+    "ObjectFetchTimeout",
+    "PoisonMessage",
+    "PublishFailed",
+]

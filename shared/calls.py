@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shared.tokens import TokenBuffer, decode_arrays, encode_arrays
+from shared.events import BlobRef, BranchKind, CallApi, CallCompleted
+from shared.tokens import TokenBuffer, decode_arrays, digest_of, encode_arrays
 
 CALL_RECORD_MEDIA_TYPE = "application/x-gyre-call-record"
 # Response header by which the gateway tells a client the index its call was recorded under. An agent that
@@ -67,12 +68,69 @@ class CallRecord:
     policy_version: int
     cell_id: str = ""
     chain_id: str = "main"
-    branch_hint: str | None = None
+    branch_hint: BranchKind | None = None
     finish_reason: str = "stop"
 
     @property
     def prompt_len(self) -> int:
         return self.parent_prefix_len + len(self.tokens.new_prompt)
+
+
+def call_completed(record: CallRecord, blob: BlobRef, *, api: CallApi = "anthropic", latency_s: float = 0.0) -> CallCompleted:
+    """The `call.completed` payload that stores `record` (its tokens in `blob`): the only place one is built."""
+    return CallCompleted(
+        execution_id=record.execution_id,
+        call_id=record.call_id,
+        call_index=record.call_index,
+        record=blob,
+        parent_call_index=record.parent_call_index,
+        parent_prefix_len=record.parent_prefix_len,
+        prompt_tokens=record.prompt_len,
+        new_prompt_tokens=len(record.tokens.new_prompt),
+        completion_tokens=len(record.tokens.completion),
+        policy_version=record.policy_version,
+        cell_id=record.cell_id,
+        chain_id=record.chain_id,
+        branch_hint=record.branch_hint,
+        finish_reason=record.finish_reason,
+        api=api,
+        latency_s=max(0.0, latency_s),
+    )
+
+
+def call_record(event: CallCompleted, blob: bytes) -> CallRecord:
+    """The call a `call.completed` stores, decoded from its record blob: the only place one is read back.
+
+    Checks the blob against the event's digest and the token counts against the event's, so a log that was
+    tampered with or mixed up fails here, naming the call, instead of training on the wrong tokens."""
+    where = f"execution {event.execution_id} call {event.call_index}"
+    actual = digest_of(blob)
+    if actual != event.record.digest:
+        raise CallRecordError(f"{where}: blob should have digest {event.record.digest}, reads back as {actual}")
+    try:
+        tokens = CallTokens.decode(blob)
+    except CallRecordError as exc:
+        raise CallRecordError(f"{where}: {exc}") from exc
+    except Exception as exc:
+        raise CallRecordError(f"{where}: undecodable call record: {exc}") from exc
+    if (len(tokens.new_prompt), len(tokens.completion)) != (event.new_prompt_tokens, event.completion_tokens):
+        raise CallRecordError(
+            f"{where}: event says {event.new_prompt_tokens}+{event.completion_tokens} tokens, record holds "
+            f"{len(tokens.new_prompt)}+{len(tokens.completion)}"
+        )
+    return CallRecord(
+        execution_id=event.execution_id,
+        call_id=event.call_id,
+        call_index=event.call_index,
+        parent_call_index=event.parent_call_index,
+        parent_prefix_len=event.parent_prefix_len,
+        tokens=tokens,
+        policy_version=event.policy_version,
+        cell_id=event.cell_id,
+        chain_id=event.chain_id,
+        branch_hint=event.branch_hint,
+        finish_reason=event.finish_reason,
+    )
 
 
 @dataclass

@@ -20,6 +20,8 @@ from pydantic import (
     model_validator,
 )
 
+from shared.cells import Role
+
 
 class EventError(Exception):
     """Base of every error raised while decoding or building events."""
@@ -52,8 +54,8 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
-Role = Literal["rollout", "train", "idle"]
 BranchKind = Literal["continuation", "compaction", "delegation", "retry", "fork"]
+CallApi = Literal["anthropic", "openai", "internal"]  # which API a model call came through
 
 
 class BlobRef(_Frozen):
@@ -126,6 +128,21 @@ class CellDraining(EventData):
     cell_id: str
     from_role: Role
     live_sessions: int = Field(ge=0)
+
+
+@register
+class CellDrained(EventData):
+    """The rollout worker of `cell_id` finished the drain a `cell.draining` asked for (its causation): each
+    session it moved has its own `kv.migrated`, appended before this; `parked_sessions` it still holds (no
+    active worker to take them, or a move failed: `detail` says which). The cell agent releases the cell on it."""
+
+    TYPE: ClassVar[str] = "cell.drained"
+    cell_id: str
+    worker_id: str
+    migrated_sessions: int = Field(ge=0)
+    parked_sessions: int = Field(ge=0)
+    seconds: float = Field(ge=0)
+    detail: str = ""
 
 
 @register
@@ -205,8 +222,26 @@ class CallCompleted(EventData):
     chain_id: str = "main"
     branch_hint: BranchKind | None = None
     finish_reason: str = "stop"
-    api: Literal["anthropic", "openai", "internal"] = "anthropic"
+    api: CallApi = "anthropic"
     latency_s: float = Field(default=0.0, ge=0)
+
+
+@register
+class CallRefused(EventData):
+    """The gateway refused one model call of `execution_id` with an API error (an answer the agent saw): the
+    harness folds these to tell an agent that stopped on its own from one the infrastructure stopped. Written
+    before the error leaves the gateway. Never carries the execution's token, a header or the request body."""
+
+    TYPE: ClassVar[str] = "call.refused"
+    execution_id: str
+    status: int = Field(ge=400, le=599)  # the HTTP status the agent got
+    kind: str  # the API's error type (e.g. "rate_limit_error", "invalid_request_error")
+    reason: str = Field(max_length=500)
+    # The infrastructure, not the request, failed (429 or 5xx: no capacity, a worker or the log unavailable).
+    infra: bool
+    budget_spent: bool = False  # refused because the execution's call budget was spent
+    answered: int = Field(default=0, ge=0)  # calls of the execution answered before this one
+    api: CallApi = "anthropic"
 
 
 # ---- executions ------------------------------------------------------------------------------------
@@ -471,6 +506,12 @@ def _first_errors(exc: ValidationError, limit: int = 3) -> str:
         where = ".".join(str(p) for p in err["loc"]) or "<root>"
         parts.append(f"{where}: {err['msg']}")
     return "; ".join(parts)
+
+
+def execution_id_for(query_id: str, sample_index: int) -> str:
+    """The id of sample `sample_index` of a query's group: the harness names executions so, and the scheduler
+    expects sessions under these names before their `execution.started`."""
+    return f"execution-{query_id}-{sample_index:03d}"
 
 
 def stream_id_for(aggregate: str, ident: str) -> str:

@@ -9,14 +9,20 @@ Writing a service:
         async def setup(self) -> None:
             self.on(["execution.scored", "call.completed"], self.handle)
 
-        async def handle(self, event: Event, tx: Transaction) -> None:
-            ...                      # effects through tx (tx.append, tx.put_blob, tx.connection)
+        async def handle(self, event: Event) -> Effects:
+            effects = Effects()
+            ...                      # compute; then effects.append(...), effects.put_blob(...), effects.after_commit(...)
+            return effects
 
     if __name__ == "__main__":
         TrajectoryService.main()
 
-A handler runs inside one store transaction that also records the event as processed by this service,
-so a redelivered event (crash before ack) is skipped: its effects were applied once, or not at all.
+Exactly once, in two phases: a handler computes its effects outside any transaction (an event already processed
+is skipped before it runs), then the runtime records them together with the event's tracking row in one short
+transaction. A redelivered event (crash before ack) finds its row and is skipped: its effects were recorded once,
+or not at all. A handler may therefore run more than once for one event (a crash between computing and
+recording): what it computes must be safe to compute again, and anything it changes in memory before its
+effects are recorded must be undone if recording fails (the trainer rolls back to its checkpoint).
 """
 
 from __future__ import annotations
@@ -32,13 +38,16 @@ from typing import Any, ClassVar
 
 from nats.aio.msg import Msg
 
+from shared.blobs import Blobs
 from shared.bus import Bus, ConsumerOptions, JetStreamConsumer
+from shared.effects import Effects
 from shared.events import Event, EventData, new_event
 from shared.logging import configure_logging, get_logger
+from shared.objects import ObjectBlobStore
 from shared.settings import Settings, load_settings
-from shared.store import EventStore, Transaction
+from shared.store import EventStore
 
-EventHandler = Callable[[Event, Transaction], Awaitable[None]]
+EventHandler = Callable[[Event], Awaitable[Effects | None]]
 
 
 def utcnow() -> datetime:
@@ -66,6 +75,7 @@ class Service:
         self.log = get_logger(service=self.name, run_id=self.settings.run_id)
         self.store: EventStore | None = None
         self.bus: Bus | None = None
+        self.blobs = Blobs()  # every blob backend behind one port, set on connect
         self.stop_event = asyncio.Event()
         self._handlers: list[tuple[str, list[str], EventHandler, ConsumerOptions]] = []
         self._tasks: list[asyncio.Task[Any]] = []
@@ -134,6 +144,7 @@ class Service:
             s.nats_url, prefix=s.subject_prefix, duplicate_window_s=s.duplicate_window_s, name=self.name
         )
         await self.bus.ensure_streams()
+        self.blobs = Blobs(self.store.blobs, ObjectBlobStore(self.bus.objects))
 
     async def start(self) -> None:
         """Connect, run `setup`, and start consumers and the health endpoint (returns once running)."""
@@ -191,13 +202,23 @@ class Service:
                 # Runs share the bus: a service serves its own run only (acked, not recorded as processed).
                 self.skipped_other_runs += 1
                 return
+            if await self.store.is_processed(consumer, event.event_id):
+                return
+            effects = await handler(event)  # outside any transaction: a step may take minutes
             async with self.store.transaction() as tx:
                 if not await tx.mark_processed(consumer, event.event_id):
-                    return
-                await handler(event, tx)
+                    return  # another delivery recorded it meanwhile: these effects are dropped
+                if effects:
+                    tx.record(effects)
             self.processed += 1
 
         return handle
+
+    async def record(self, effects: Effects) -> None:
+        """Commit effects that no event caused (work a service does at start-up) in one short transaction."""
+        assert self.store is not None
+        async with self.store.transaction() as tx:
+            tx.record(effects)
 
     def event(
         self,

@@ -10,6 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from shared.events import execution_id_for
+
 
 class QueryPlanError(ValueError):
     """A query dispatch cannot be expanded into executions."""
@@ -24,10 +26,6 @@ class PlannedExecution(BaseModel):
     sample_index: int = Field(ge=0)
     seed: int
     group_size: int = Field(ge=1)
-
-
-def execution_id_for(query_id: str, sample_index: int) -> str:
-    return f"execution-{query_id}-{sample_index:03d}"
 
 
 def plan_query(*, query_id: str, task_id: str, group_size: int, seeds: list[int]) -> tuple[PlannedExecution, ...]:

@@ -49,7 +49,7 @@ from shared.events import (
 )
 from shared.runtime import Service
 from shared.settings import Settings
-from shared.store import Transaction
+from shared.effects import Effects
 
 END_TYPES = ("execution.finished", "execution.timed_out")
 
@@ -142,11 +142,12 @@ class HarnessService(Service):
 
     # ---- dispatch ----
 
-    async def dispatch(self, event: Event, tx: Transaction) -> None:
+    async def dispatch(self, event: Event) -> Effects:
         q = event.data
         assert isinstance(q, QueryDispatched)
         self.task(q.task_id)  # a bad task id fails here, before anything is announced
         # Execution ids derive from the query, so a redelivered dispatch names the same executions.
+        effects = Effects()
         for planned in plan_query(query_id=q.query_id, task_id=q.task_id, group_size=q.group_size, seeds=q.seeds):
             started = ExecutionStarted(
                 execution_id=planned.execution_id,
@@ -163,8 +164,9 @@ class HarnessService(Service):
                 cell_id=q.placements[planned.sample_index] if len(q.placements) == q.group_size else None,
             )
             stream = stream_id_for("execution", planned.execution_id)
-            tx.append([self.event(started, stream_id=stream, cause=event)], expected_version="any")
-            tx.after_commit(_bind(self._launch, started, event))
+            effects.append([self.event(started, stream_id=stream, cause=event)], expected_version="any")
+            effects.after_commit(_bind(self._launch, started, event))
+        return effects
 
     def _launch(self, started: ExecutionStarted, cause: Event) -> None:
         if started.execution_id in self._running:

@@ -96,23 +96,6 @@ class GenerateReply(_Frozen):
     policy_version: int = 0
 
 
-WorkerState = Literal["active", "draining", "drained"]
-
-
-class WorkerStatus(_Frozen):
-    """Broadcast by each worker (heartbeat and on change) so routers know capacity and drains."""
-
-    worker_id: str
-    cell_id: str
-    state: WorkerState
-    live_sessions: int = Field(ge=0)
-    capacity: int = Field(ge=1)
-    in_flight: int = Field(ge=0)
-    policy_version: int = Field(ge=0)
-    max_model_len: int = Field(ge=1)
-    moved: dict[str, str] = Field(default_factory=dict)  # execution_id -> worker it migrated to
-
-
 class AdoptRequest(_Frozen):
     """Sent by a draining worker to its target: take over a session, loading its KV when `method` is kv."""
 

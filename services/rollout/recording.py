@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -15,7 +14,16 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-from shared.calls import CALL_RECORD_MEDIA_TYPE, CallRecord, CallTokens, ExecutionSequences, longest_prefix_parent
+from shared.blobs import blob_ref
+from shared.calls import (
+    CALL_RECORD_MEDIA_TYPE,
+    CallRecord,
+    CallTokens,
+    ExecutionSequences,
+    call_completed,
+    call_record,
+    longest_prefix_parent,
+)
 from shared.events import (
     BlobRef,
     BranchKind,
@@ -29,7 +37,6 @@ from shared.events import (
     new_event,
     stream_id_for,
 )
-from shared.store import blob_ref
 from shared.tokens import TokenBuffer, digest_of
 
 Api = Literal["anthropic", "openai", "internal"]
@@ -188,26 +195,20 @@ def build_events(
                 f"after {placement.parent_prefix_len} tokens",
             )
         )
-    data.append(
-        CallCompleted(
-            execution_id=call.execution_id,
-            call_id=call.call_id,
-            call_index=placement.call_index,
-            record=blob,
-            parent_call_index=placement.parent_call_index,
-            parent_prefix_len=placement.parent_prefix_len,
-            prompt_tokens=len(call.prompt),
-            new_prompt_tokens=len(placement.new_prompt),
-            completion_tokens=len(call.completion),
-            policy_version=call.policy_version,
-            cell_id=call.cell_id,
-            chain_id=call.chain_id,
-            branch_hint=placement.branch_hint,
-            finish_reason=call.finish_reason,
-            api=call.api,
-            latency_s=max(0.0, call.latency_s),
-        )
+    record = CallRecord(
+        execution_id=call.execution_id,
+        call_id=call.call_id,
+        call_index=placement.call_index,
+        parent_call_index=placement.parent_call_index,
+        parent_prefix_len=placement.parent_prefix_len,
+        tokens=call_tokens(call, placement),
+        policy_version=call.policy_version,
+        cell_id=call.cell_id,
+        chain_id=call.chain_id,
+        branch_hint=placement.branch_hint,
+        finish_reason=call.finish_reason,
     )
+    data.append(call_completed(record, blob, api=call.api, latency_s=call.latency_s))
     # Versions are placeholders: the store assigns the stream's next versions (expected_version="any").
     return [
         new_event(d, run_id=run_id, stream_id=stream, version=1, occurred_at=occurred_at) for d in data
@@ -404,24 +405,8 @@ class StoreCallRecorder(_LoggedRecorder):
         records = []
         for event in await self._events(execution_id):
             data = event.data
-            if not isinstance(data, CallCompleted):
-                continue
-            tokens = CallTokens.decode(await self.store.get_blob(data.record))  # type: ignore[attr-defined]
-            records.append(
-                CallRecord(
-                    execution_id=data.execution_id,
-                    call_id=data.call_id,
-                    call_index=data.call_index,
-                    parent_call_index=data.parent_call_index,
-                    parent_prefix_len=data.parent_prefix_len,
-                    tokens=tokens,
-                    policy_version=data.policy_version,
-                    cell_id=data.cell_id,
-                    chain_id=data.chain_id,
-                    branch_hint=data.branch_hint,
-                    finish_reason=data.finish_reason,
-                )
-            )
+            if isinstance(data, CallCompleted):
+                records.append(call_record(data, await self.store.blobs.get(data.record)))  # type: ignore[attr-defined]
         return ExecutionLog.from_records(records)
 
     async def _persist(self, call: CompletedCall, placement: Placement, blob: bytes) -> RecordedCall:
@@ -431,7 +416,3 @@ class StoreCallRecorder(_LoggedRecorder):
         events = build_events(call, placement, ref, run_id=self.run_id, occurred_at=self._clock())
         await self.store.append_grouped(events, blobs=[(blob, CALL_RECORD_MEDIA_TYPE)])  # type: ignore[attr-defined]
         return RecordedCall(placement=placement, event=events[-1], blob=ref)
-
-
-def new_call_id() -> str:
-    return uuid.uuid4().hex

@@ -16,10 +16,10 @@ from services.rollout.protocol import (
     GenerateRequest,
     SamplingSpec,
     TokenPayload,
-    WorkerStatus,
     tokens_digest,
 )
 from shared.logging import get_logger
+from shared.worker_status import WorkerStatus
 
 
 class NoCapacity(Exception):

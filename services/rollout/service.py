@@ -17,6 +17,7 @@ from typing import Any
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.rollout.router import Router, WorkerDirectory
+from shared.effects import Effects
 from shared.events import (
     CellDraining,
     Event,
@@ -29,7 +30,7 @@ from shared.events import (
 from shared.logging import configure_logging
 from shared.runtime import Service
 from shared.settings import Settings, load_settings
-from shared.store import Transaction
+
 
 
 class RolloutSettings(BaseSettings):
@@ -108,12 +109,7 @@ class RolloutWorkerService(Service):
         assert isinstance(event.data, WeightsPublished) and self.store is not None
         if not self.worker.wants(event.data.version):
             return  # an older publication delivered late: not worth its download
-        ref = event.data.weights
-        if ref.store == "pg":
-            blob = await self.store.get_blob(ref)
-        else:
-            assert self.bus is not None
-            blob = await self.bus.get_object(ref.digest)
+        blob = await self.blobs.get(event.data.weights)
         await self.worker.apply_weights(event.data.version, load_safetensors(blob))
 
     def _drains_me(self, event: Event) -> bool:
@@ -140,7 +136,8 @@ class RolloutWorkerService(Service):
         assert isinstance(data, KvMigrationOrdered) and self.worker is not None
         return data.from_cell == self.worker.cell_id
 
-    async def handle(self, event: Event, tx: Transaction) -> None:
+    async def handle(self, event: Event) -> Effects:
+        effects = Effects()
         if isinstance(event.data, KvMigrationOrdered):
             if self._orders_me(event):
                 # Spawned: a move waits for the session's in-flight call, which must not hold up the consumer.
@@ -149,12 +146,13 @@ class RolloutWorkerService(Service):
             await self._load(event)
             w = self.worker
             loaded = WeightsLoaded(cell_id=w.cell_id, worker_id=w.worker_id, version=w.policy_version)
-            tx.append([self.event(loaded, stream_id=stream_id_for("cell", w.cell_id), cause=event)],
-                      expected_version="any")
+            effects.append([self.event(loaded, stream_id=stream_id_for("cell", w.cell_id), cause=event)],
+                           expected_version="any")
         elif isinstance(event.data, CellDraining) and self._drains_me(event):
             from services.rollout.protocol import DrainRequest
 
             self.spawn(self.worker.drain(DrainRequest()), name="drain")
+        return effects
 
     def health(self) -> dict[str, Any]:
         return {} if self.worker is None else {"worker": self.worker.status().model_dump()}
@@ -218,7 +216,7 @@ class RolloutGatewayService(Service):
             self.spawn(server.serve(), name="http")
         self.on(["execution.finished", "execution.timed_out"], self.handle)
 
-    async def handle(self, event: Event, tx: Transaction) -> None:
+    async def handle(self, event: Event) -> None:
         execution_id = getattr(event.data, "execution_id", None)
         if execution_id is None:
             return

@@ -24,33 +24,18 @@ from services.rollout.protocol import (
     GenerateReply,
     GenerateRequest,
     TokenPayload,
-    WorkerStatus,
     unpack,
 )
 from services.rollout.router import WorkerDirectory, WorkerUnreachable
 from services.rollout.worker import RolloutWorker
 from shared.bus import Bus
 from shared.logging import get_logger
+from shared.worker_status import WorkerStatus, ended_subject, status_subject, worker_subject
 
 INLINE_LIMIT = 512 * 1024  # packed bytes; NATS's default max_payload is 1 MiB and base64 adds a third
 GENERATE_TIMEOUT_S = 900.0
 
 log = get_logger(component="rollout_transport")
-
-
-def worker_subject(bus: Bus, worker_id: str, verb: str) -> str:
-    return f"{bus.prefix}.rollout.worker.{worker_id}.{verb}"
-
-
-def status_subject(bus: Bus) -> str:
-    return f"{bus.prefix}.rollout.status"
-
-
-def ended_subject(bus: Bus) -> str:
-    """Every worker hears an execution's end here, whether or not it holds the execution: a session can sit
-    where the router does not know of it (a migration that finished after the end, an execution placed
-    again while its old worker drained)."""
-    return f"{bus.prefix}.rollout.ended"
 
 
 async def send_tokens(bus: Bus, ids: np.ndarray, *, inline_limit: int = INLINE_LIMIT) -> TokenPayload:
@@ -96,7 +81,7 @@ class NatsWorkerClient:
     async def generate(self, worker_id: str, request: GenerateRequest, delta: np.ndarray) -> GenerateReply:
         payload = await send_tokens(self.bus, delta, inline_limit=self.inline_limit)
         body = request.model_copy(update={"delta": payload}).model_dump_json().encode()
-        data = await _request(self.bus, worker_subject(self.bus, worker_id, "generate"), body, self.timeout_s)
+        data = await _request(self.bus, worker_subject(self.bus.prefix, worker_id, "generate"), body, self.timeout_s)
         try:
             return GenerateReply.model_validate(_reply_or_error(data))
         except RuntimeError as exc:
@@ -104,14 +89,14 @@ class NatsWorkerClient:
 
     async def drain(self, worker_id: str, request: DrainRequest, *, timeout_s: float = 600.0) -> DrainReply:
         data = await _request(
-            self.bus, worker_subject(self.bus, worker_id, "drain"), request.model_dump_json().encode(), timeout_s
+            self.bus, worker_subject(self.bus.prefix, worker_id, "drain"), request.model_dump_json().encode(), timeout_s
         )
         return DrainReply.model_validate(_reply_or_error(data))
 
     async def end_sessions(self, worker_id: str, execution_id: str) -> None:
         await _request(
             self.bus,
-            worker_subject(self.bus, worker_id, "end"),
+            worker_subject(self.bus.prefix, worker_id, "end"),
             EndSessions(execution_id=execution_id).model_dump_json().encode(),
             10.0,
         )
@@ -119,7 +104,7 @@ class NatsWorkerClient:
     async def announce_end(self, execution_id: str) -> None:
         """Tell every worker the execution has ended (no answer awaited)."""
         body = EndSessions(execution_id=execution_id).model_dump_json().encode()
-        await self.bus.nc.publish(ended_subject(self.bus), body)
+        await self.bus.nc.publish(ended_subject(self.bus.prefix), body)
 
 
 class NatsPeers:
@@ -136,7 +121,7 @@ class NatsPeers:
     async def adopt(self, target: str, request: AdoptRequest, history: np.ndarray) -> AdoptReply:
         payload = await send_tokens(self.bus, history, inline_limit=self.inline_limit)
         body = request.model_copy(update={"history": payload}).model_dump_json().encode()
-        data = await _request(self.bus, worker_subject(self.bus, target, "adopt"), body, GENERATE_TIMEOUT_S)
+        data = await _request(self.bus, worker_subject(self.bus.prefix, target, "adopt"), body, GENERATE_TIMEOUT_S)
         return AdoptReply.model_validate(_reply_or_error(data))
 
 
@@ -149,7 +134,7 @@ async def watch_statuses(bus: Bus, directory: WorkerDirectory) -> Any:
         except ValueError:
             log.warning("bad_worker_status", data=msg.data[:200])
 
-    return await bus.nc.subscribe(status_subject(bus), cb=on_msg)
+    return await bus.nc.subscribe(status_subject(bus.prefix), cb=on_msg)
 
 
 @dataclass
@@ -186,7 +171,7 @@ class WorkerServer:
             return json.dumps({"ended": ended}).encode()
 
         for verb, handler in (("generate", generate), ("adopt", adopt), ("drain", drain), ("end", end)):
-            self.subscriptions.append(await self._serve(worker_subject(bus, w.worker_id, verb), handler))
+            self.subscriptions.append(await self._serve(worker_subject(bus.prefix, w.worker_id, verb), handler))
 
         async def on_ended(msg: Any) -> None:
             try:
@@ -194,7 +179,7 @@ class WorkerServer:
             except ValueError:
                 log.warning("bad_end_announcement", data=msg.data[:200])
 
-        self.subscriptions.append(await bus.nc.subscribe(ended_subject(bus), cb=on_ended))
+        self.subscriptions.append(await bus.nc.subscribe(ended_subject(bus.prefix), cb=on_ended))
         await self.publish_status()
         self._task = asyncio.create_task(self._heartbeat())
         return self
@@ -218,7 +203,7 @@ class WorkerServer:
         return await self.bus.nc.subscribe(subject, cb=on_msg)
 
     async def publish_status(self) -> None:
-        await self.bus.nc.publish(status_subject(self.bus), self.worker.status().model_dump_json().encode())
+        await self.bus.nc.publish(status_subject(self.bus.prefix), self.worker.status().model_dump_json().encode())
 
     async def _heartbeat(self) -> None:
         while True:

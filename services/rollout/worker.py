@@ -27,12 +27,11 @@ from services.rollout.protocol import (
     MigrationResult,
     SamplingSpec,
     TokenPayload,
-    WorkerState,
-    WorkerStatus,
     tokens_digest,
 )
 from shared.events import EventData, KvMigrated, KvMigrationRefused
 from shared.logging import get_logger
+from shared.worker_status import WorkerState, WorkerStatus
 
 Emit = Callable[[Sequence[EventData]], Awaitable[None]]
 

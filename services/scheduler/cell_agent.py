@@ -24,6 +24,7 @@ import httpx
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.cells import Role
 from shared.events import (
     CellAssigned,
     CellDraining,
@@ -37,9 +38,9 @@ from shared.events import (
 from shared.logging import configure_logging
 from shared.runtime import Service
 from shared.settings import Settings, load_settings
-from shared.store import Transaction
+from shared.effects import Effects
 
-RoleName = Literal["rollout", "train", "idle"]
+
 
 # A command template of just `hold` runs a placeholder that only occupies the cell until it is stopped:
 # for a role whose service runs outside the agent (e.g. a single-process trainer started by `gyre run`).
@@ -172,8 +173,8 @@ class CellRunner:
         self.agent = agent
         self.cell_id = cell_id
         self.index = index
-        self.role: RoleName = "idle"
-        self.desired: RoleName = "idle"
+        self.role: Role = Role.IDLE
+        self.desired: Role = Role.IDLE
         self.applied_version = 0  # stream version of the assignment `desired` came from
         self.cause: Event | None = None
         self.proc: CellProcess | None = None
@@ -189,7 +190,7 @@ class CellRunner:
     def cfg(self) -> CellSettings:
         return self.agent.cfg
 
-    def want(self, role: RoleName, version: int, cause: Event | None) -> None:
+    def want(self, role: Role, version: int, cause: Event | None) -> None:
         if version <= self.applied_version:
             return  # an older order delivered late; a newer one already decided
         self.desired, self.applied_version, self.cause = role, version, cause
@@ -239,7 +240,7 @@ class CellRunner:
         except CellStartFailed as exc:
             self.log.error("cell_restart_failed", error=str(exc))
 
-    async def switch(self, target: RoleName, stop: asyncio.Event) -> None:
+    async def switch(self, target: Role, stop: asyncio.Event) -> None:
         t0 = time.monotonic()
         old = self.role
         self.unreported = None  # a newer order: its own cell.ready follows
@@ -254,7 +255,7 @@ class CellRunner:
                 code = await self.proc.stop(self.cfg.stop_timeout_s)
                 self.log.info("cell_process_stopped", role=old, exit_code=code)
                 self.proc = None
-            self.role = "idle"
+            self.role = Role.IDLE
             await self._emit(CellReleased(cell_id=self.cell_id, from_role=old, migrated_sessions=migrated,
                                           seconds=time.monotonic() - t0))
         version = None
@@ -318,7 +319,7 @@ class CellRunner:
             env["CUDA_VISIBLE_DEVICES"] = self.devices
         return env
 
-    async def _launch(self, role: RoleName, stop: asyncio.Event) -> tuple[CellProcess, int | None]:
+    async def _launch(self, role: Role, stop: asyncio.Event) -> tuple[CellProcess, int | None]:
         self.launches += 1
         log_path = self.agent.log_dir / self.cell_id / f"{role}-{self.launches}.log"
         argv = self.command(role)
@@ -442,13 +443,15 @@ class CellAgent(Service):
             self.spawn(runner.run(self.stop_event), name=f"cell-{runner.cell_id}")
         self.log.info("cells_registered", cells=list(self.runners))
 
-    async def _on_assigned(self, event: Event, tx: Transaction) -> None:
+    async def _on_assigned(self, event: Event) -> Effects:
+        effects = Effects()
         order = event.data
         if event.run_id != self.settings.run_id or not isinstance(order, CellAssigned):
-            return
+            return effects
         runner = self.runners.get(order.cell_id)
         if runner is not None:
-            tx.after_commit(lambda: runner.want(order.role, event.version, event))
+            effects.after_commit(lambda: runner.want(order.role, event.version, event))
+        return effects
 
     async def _on_status(self, msg: Any) -> None:
         try:

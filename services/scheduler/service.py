@@ -34,7 +34,7 @@ from shared.events import CellAssigned, Event, KvMigrationOrdered, stream_id_for
 from shared.logging import configure_logging
 from shared.runtime import Service, utcnow
 from shared.settings import Settings, load_settings
-from shared.store import ConcurrencyConflict, Transaction
+from shared.store import ConcurrencyConflict
 
 
 class SchedulerConfigError(ValueError):
@@ -140,7 +140,7 @@ class SchedulerService(Service):
             "done": self.view.done,
         }
 
-    async def _nudge(self, event: Event, tx: Transaction) -> None:
+    async def _nudge(self, event: Event) -> None:
         if event.run_id == self.settings.run_id:
             self._wake.set()
 

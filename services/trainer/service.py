@@ -22,10 +22,11 @@ from services.trainer.loss import GspoConfig
 from services.trainer.weights import WEIGHTS_MEDIA_TYPE
 from shared.batch import TrainingBatch
 from shared.bus import ConsumerOptions
+from shared.effects import Effects
 from shared.events import BatchReady, BlobRef, Event, StepCompleted, WeightsPublished, stream_id_for
 from shared.runtime import Service
 from shared.settings import Settings
-from shared.store import ConcurrencyConflict, Transaction
+from shared.store import ConcurrencyConflict
 
 
 class TrainerServiceError(Exception):
@@ -131,9 +132,7 @@ class TrainerService(Service):
         if self.last_step >= self.options.first_step:
             # Checkpointed but perhaps not committed before a crash: emit it now, before any later batch
             # (a later one can arrive first, while the crashed consumer's message waits out its ack_wait).
-            assert self.store is not None
-            async with self.store.transaction() as tx:
-                await self._emit_step(tx, None, self.last_step, self.last_metrics, self.last_seconds)
+            await self.record(await self._step_effects(None, self.last_step, self.last_metrics, self.last_seconds))
         options = ConsumerOptions(
             ack_wait_s=self.options.ack_wait_s or self.settings.ack_wait_s,
             max_deliver=max(self.settings.max_deliver, 1000),  # out-of-order waits are retries, not failures
@@ -179,22 +178,22 @@ class TrainerService(Service):
 
     # ------------------------------------------------------------------------------------------ steps
 
-    async def handle(self, event: Event, tx: Transaction) -> None:
+    async def handle(self, event: Event) -> Effects | None:
+        """Train the batch's step (outside any transaction: the runtime records the returned effects with the
+        event's tracking row once the step is trained and checkpointed)."""
         data = event.data
         if not isinstance(data, BatchReady):
-            return
+            return None
         assert self.trainer is not None and self.store is not None
         if data.step <= self.last_step:
-            # Trained before a crash that lost this transaction: the checkpoint has the result; emit it.
-            if data.step == self.last_step:
-                await self._emit_step(tx, event, data.step, self.last_metrics, self.last_seconds)
+            # Trained before a crash that lost its record: the checkpoint has the result; emit it.
             self.log.info("batch_already_trained", step=data.step, last_step=self.last_step)
-            return
+            if data.step == self.last_step:
+                return await self._step_effects(event, data.step, self.last_metrics, self.last_seconds)
+            return None
         if data.step != self.last_step + 1:
             raise StepOutOfOrder(f"batch for step {data.step} arrived, expected step {self.last_step + 1} first")
-        ref = data.batch
-        blob = await (self.store.get_blob(ref) if ref.store == "pg" else self._bus().get_object(ref.digest))
-        batch = TrainingBatch.decode(blob)
+        batch = TrainingBatch.decode(await self.blobs.get(data.batch))
         if batch.step != data.step:
             raise TrainerServiceError(f"batch.ready says step {data.step}, the batch blob says {batch.step}")
         started = time.perf_counter()
@@ -204,7 +203,7 @@ class TrainerService(Service):
             metrics["staleness_bound_violations"] = float(
                 metrics["staleness_max"] > self.settings.max_staleness
             )
-            # Checkpoint before commit: a crash after this line finds the step trained and only re-emits.
+            # Checkpoint before the record: a crash after this line finds the step trained and only re-emits.
             await asyncio.to_thread(
                 self.trainer.save,
                 self.checkpoint_root,
@@ -219,18 +218,22 @@ class TrainerService(Service):
             await asyncio.to_thread(self._roll_back)
             raise
         self.last_step, self.last_metrics, self.last_seconds = data.step, metrics, seconds
-        await self._emit_step(tx, event, data.step, metrics, seconds)
+        effects = await self._step_effects(event, data.step, metrics, seconds)
         self.log.info("step_completed", step=data.step, seconds=round(seconds, 3), **{
             k: round(v, 6) for k, v in metrics.items() if k in ("loss", "clip_fraction", "seq_ratio_mean", "grad_norm")
         })
+        return effects
 
-    async def _emit_step(
-        self, tx: Transaction, cause: Event | None, step: int, metrics: dict[str, float], seconds: float
-    ) -> None:
+    async def _step_effects(
+        self, cause: Event | None, step: int, metrics: dict[str, float], seconds: float
+    ) -> Effects:
+        """`step.completed` for a trained step, and `weights.published` when the step publishes (its weights
+        stored first): nothing when an earlier incarnation recorded them already."""
         assert self.trainer is not None and self.store is not None
+        effects = Effects()
         stream = step_stream_id(self.settings.run_id, step)
         if await self.store.read_stream(stream):
-            return  # emitted and committed already
+            return effects  # emitted and committed already
         version = self.trainer.policy_version
         # An event cannot hold NaN or infinity (JSON); a diverged step says so by name and count instead.
         nonfinite = sorted(k for k, v in metrics.items() if not math.isfinite(v))
@@ -245,21 +248,21 @@ class TrainerService(Service):
             seconds=seconds,
             metrics=metrics,
         )
-        tx.append([self.event(completed, stream_id=stream, version=1, cause=cause)], expected_version=0)
+        effects.append([self.event(completed, stream_id=stream, version=1, cause=cause)], expected_version=0)
         n = step - self.options.first_step + 1
         if n == 1 or n % self.options.publish_every == 0:
             ref = await self._store_weights()
             published = WeightsPublished(version=version, step=step, weights=ref)
             stream = weights_stream_id(self.settings.run_id, version)
-            tx.append([self.event(published, stream_id=stream, version=1, cause=cause)], expected_version=0)
+            effects.append([self.event(published, stream_id=stream, version=1, cause=cause)], expected_version=0)
+        return effects
 
     async def _store_weights(self) -> BlobRef:
         assert self.trainer is not None
         data = await asyncio.to_thread(self.trainer.weights_bytes)
         if data is None:
             raise TrainerServiceError("rank 0 produced no weights")
-        digest = await self._bus().put_object(data)
-        return BlobRef(digest=digest, size=len(data), media_type=WEIGHTS_MEDIA_TYPE, store="object")
+        return await self.blobs.put(data, WEIGHTS_MEDIA_TYPE, store="object")
 
     async def _publish_initial(self) -> None:
         assert self.store is not None
@@ -272,8 +275,3 @@ class TrainerService(Service):
             await self.emit([event], expected_version=0)
         except ConcurrencyConflict as exc:  # another incarnation published it first: same weights
             self.log.info("initial_weights_already_published", detail=str(exc))
-
-    def _bus(self) -> Any:
-        if self.bus is None:
-            raise TrainerServiceError("the service is not connected to the bus")
-        return self.bus

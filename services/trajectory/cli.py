@@ -41,6 +41,7 @@ EXIT_BAD_LOG = 2
 
 async def _load_from_postgres(selection: Selection) -> LoadedLog:
     """Read the selected events and their blobs; only SELECTs are issued (replay never writes)."""
+    from shared.blobs import BlobError
     from shared.events import EventError
     from shared.settings import load_settings
     from shared.store import EventStore, StoreError
@@ -52,8 +53,8 @@ async def _load_from_postgres(selection: Selection) -> LoadedLog:
     try:
         stored = await store.read_all(types=list(CONSUMED_TYPES), run_id=selection.run)
         events = select_events([s.event for s in stored], selection)
-        blobs = {ref.digest: await store.get_blob(ref) for ref in referenced_blobs(events)}
-    except (StoreError, EventError) as exc:  # a blob missing or not matching its digest, an unreadable row
+        blobs = {ref.digest: await store.blobs.get(ref) for ref in referenced_blobs(events)}
+    except (StoreError, BlobError, EventError) as exc:  # a blob missing or not matching its digest, an unreadable row
         raise CorruptLog(f"{type(exc).__name__}: {exc}") from exc
     finally:
         await store.close()

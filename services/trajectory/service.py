@@ -19,9 +19,9 @@ from services.trajectory.state import (
 )
 from services.trajectory.tree import TrajectoryTree
 from shared.batch import BATCH_MEDIA_TYPE, TrainingBatch
+from shared.effects import Effects
 from shared.events import BatchReady, BlobRef, Event, stream_id_for
 from shared.runtime import Service
-from shared.store import Transaction
 
 
 def batch_stream_id(run_id: str, step: int) -> str:
@@ -57,7 +57,7 @@ class TrajectoryService(Service):
         self.trees: dict[str, TrajectoryTree] = {}
         # What each cached tree was built from: a later end event may still change an execution's calls.
         self.tree_inputs: dict[str, tuple[int | None, int]] = {}
-        self.blobs: dict[str, bytes] = {}
+        self.blob_cache: dict[str, bytes] = {}  # call records fetched for trees not yet built
         s = self.settings
         self.params = BatchParams(
             budget=s.micro_batch_tokens,
@@ -78,36 +78,35 @@ class TrajectoryService(Service):
         self.log.info("trajectory_state_loaded", events=len(history), executions=len(self.run_log.executions),
                       batches=sorted(self.run_log.batches))
         self.on(list(CONSUMED_TYPES), self.handle)
-        async with self.store.transaction() as tx:
-            await self._emit_ready(tx, cause=None)
+        await self.record(await self._ready_effects(cause=None))
 
     def health(self) -> dict[str, Any]:
         return {"executions": len(self.run_log.executions), "batches": sorted(self.run_log.batches)}
 
-    async def handle(self, event: Event, tx: Transaction) -> None:
+    async def handle(self, event: Event) -> Effects | None:
         if event.run_id != self.settings.run_id:
-            return
+            return None
         try:
             self.run_log.apply(event)
         except LogError as exc:
             self.log.error("log_inconsistent", error=str(exc), event_id=str(event.event_id))
-            return
+            return None
         if isinstance(event.data, BatchReady):
             # The step is done: its trees are no longer needed in memory (replay rebuilds them from the log).
             for done in self.run_log.step_execution_ids(event.data.step):
                 self.trees.pop(done, None)
                 self.tree_inputs.pop(done, None)
-            return
+            return None
         execution_id = getattr(event.data, "execution_id", None)
         if isinstance(execution_id, str):
             await self._maybe_build(execution_id)
-        await self._emit_ready(tx, cause=event)
+        return await self._ready_effects(cause=event)
 
     async def _get_blobs(self, refs: list[BlobRef]) -> None:
         assert self.store is not None
         for ref in refs:
-            if ref.digest not in self.blobs:
-                self.blobs[ref.digest] = await self.store.get_blob(ref)
+            if ref.digest not in self.blob_cache:
+                self.blob_cache[ref.digest] = await self.blobs.get(ref)
 
     async def _maybe_build(self, execution_id: str) -> None:
         state = self.run_log.executions.get(execution_id)
@@ -129,16 +128,18 @@ class TrajectoryService(Service):
         self.trees[execution_id] = tree
         self.tree_inputs[execution_id] = _tree_inputs(snapshot)
         for ref in refs:  # token blobs are only needed until the tree exists
-            self.blobs.pop(ref.digest, None)
+            self.blob_cache.pop(ref.digest, None)
         stats = tree.stats()
         self.log.info("tree_built", execution_id=execution_id, digest=tree.digest(),
                       late_calls_left_out=len(snapshot.late_calls), **stats.as_dict())
 
     def _blob(self, ref: BlobRef) -> bytes:
-        return self.blobs[ref.digest]
+        return self.blob_cache[ref.digest]
 
-    async def _emit_ready(self, tx: Transaction, cause: Event | None) -> None:
+    async def _ready_effects(self, cause: Event | None) -> Effects:
+        """A `batch.ready` (and its batch blob) for every step whose groups are complete."""
         assert self.store is not None
+        effects = Effects()
         for step in self.run_log.ready_steps(self.queries_per_step):
             stream = batch_stream_id(self.settings.run_id, step)
             existing = await self.store.read_stream(stream)
@@ -155,15 +156,16 @@ class TrajectoryService(Service):
                 self.log.error("batch_failed", step=step, error=str(exc))
                 continue
             data = batch.encode()
-            ref = await tx.put_blob(data, media_type=BATCH_MEDIA_TYPE)
+            ref = effects.put_blob(data, media_type=BATCH_MEDIA_TYPE)
             event = self.event(batch_ready_data(step, batch, ref), stream_id=stream, version=1, cause=cause)
             # Not folded here: only a committed batch counts. Until it comes back (store check above, or the
             # bus), a concurrent handler may try the same step and lose on the version check; its event is
-            # then redelivered and finds the batch. If this transaction fails, the redelivery rebuilds it.
-            tx.append([event], expected_version=0)
+            # then redelivered and finds the batch. If recording fails, the redelivery rebuilds it.
+            effects.append([event], expected_version=0)
             self.log.info("batch_ready", step=step, digest=ref.digest, executions=len(batch.executions),
                           micro_batches=len(batch.micro_batches), **{k: v for k, v in batch.meta.items()
                                                                      if isinstance(v, int)})
+        return effects
 
 
 def _tree_inputs(state: ExecutionState) -> tuple[int | None, int]:

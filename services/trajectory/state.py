@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from services.trajectory.packing import ExecutionInput, build_training_batch
 from services.trajectory.tree import BranchLabel, TrajectoryTree, build_tree
 from shared.batch import TrainingBatch
-from shared.calls import CallRecord, CallTokens
+from shared.calls import CallRecord, CallRecordError, call_record
 from shared.events import (
     BatchReady,
     BlobRef,
@@ -27,7 +27,6 @@ from shared.events import (
     ExecutionTimedOut,
     QueryDispatched,
 )
-from shared.tokens import digest_of
 
 CONSUMED_TYPES: tuple[str, ...] = (
     "query.dispatched",
@@ -247,36 +246,10 @@ def call_records(state: ExecutionState, get_blob: BlobGetter) -> list[CallRecord
             blob = get_blob(c.record)
         except KeyError as exc:
             raise LogError(f"execution {state.execution_id} call {index}: blob {c.record.digest} not found") from exc
-        actual = digest_of(blob)
-        if actual != c.record.digest:
-            raise LogError(
-                f"execution {state.execution_id} call {index}: blob should have digest {c.record.digest}, "
-                f"reads back as {actual}"
-            )
         try:
-            tokens = CallTokens.decode(blob)
-        except Exception as exc:
-            raise LogError(f"execution {state.execution_id} call {index}: undecodable call record: {exc}") from exc
-        if (len(tokens.new_prompt), len(tokens.completion)) != (c.new_prompt_tokens, c.completion_tokens):
-            raise LogError(
-                f"execution {state.execution_id} call {index}: event says {c.new_prompt_tokens}+"
-                f"{c.completion_tokens} tokens, record holds {len(tokens.new_prompt)}+{len(tokens.completion)}"
-            )
-        records.append(
-            CallRecord(
-                execution_id=c.execution_id,
-                call_id=c.call_id,
-                call_index=c.call_index,
-                parent_call_index=c.parent_call_index,
-                parent_prefix_len=c.parent_prefix_len,
-                tokens=tokens,
-                policy_version=c.policy_version,
-                cell_id=c.cell_id,
-                chain_id=c.chain_id,
-                branch_hint=c.branch_hint,
-                finish_reason=c.finish_reason,
-            )
-        )
+            records.append(call_record(c, blob))
+        except CallRecordError as exc:
+            raise LogError(str(exc)) from exc
     return records
 
 

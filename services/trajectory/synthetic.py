@@ -10,10 +10,9 @@ from datetime import datetime, timedelta, timezone
 
 import numpy as np
 
-from shared.calls import CALL_RECORD_MEDIA_TYPE, CallRecord, CallTokens, longest_prefix_parent
+from shared.blobs import blob_ref
+from shared.calls import CALL_RECORD_MEDIA_TYPE, CallRecord, CallTokens, call_completed, longest_prefix_parent
 from shared.events import (
-    BlobRef,
-    CallCompleted,
     Event,
     EventData,
     ExecutionBranched,
@@ -23,7 +22,6 @@ from shared.events import (
     ExecutionTimedOut,
     new_event,
 )
-from shared.tokens import digest_of
 
 EPOCH = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
@@ -123,26 +121,9 @@ class ExecutionLog:
             branch_hint=branch_hint,
         )
         blob = tokens.encode()
-        ref = BlobRef(digest=digest_of(blob), size=len(blob), media_type=CALL_RECORD_MEDIA_TYPE)
+        ref = blob_ref(blob, CALL_RECORD_MEDIA_TYPE)
         self.blobs[ref.digest] = blob
-        self._emit(
-            CallCompleted(
-                execution_id=self.execution_id,
-                call_id=record.call_id,
-                call_index=index,
-                record=ref,
-                parent_call_index=parent_index,
-                parent_prefix_len=shared,
-                prompt_tokens=int(prompt_arr.shape[0]),
-                new_prompt_tokens=int(prompt_arr.shape[0] - shared),
-                completion_tokens=int(completion_arr.shape[0]),
-                policy_version=policy_version,
-                cell_id=cell_id,
-                chain_id=chain_id,
-                branch_hint=branch_hint,  # type: ignore[arg-type]
-                api="internal",
-            )
-        )
+        self._emit(call_completed(record, ref, api="internal"))
         self.records.append(record)
         self._sequences.append(np.concatenate([prompt_arr, completion_arr]))
         return record

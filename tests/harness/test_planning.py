@@ -13,7 +13,8 @@ from services.harness.agent import AgentConfig
 from services.harness.agent_core import Branch
 from services.harness.execution import AgentStopped, BuiltinHarness, LoopObserver, run_execution_async
 from services.harness.external import GatewayAccess
-from services.harness.planning import QueryPlanError, execution_id_for, plan_query, recovery_actions
+from services.harness.planning import QueryPlanError, plan_query, recovery_actions
+from shared.events import execution_id_for
 from services.harness.tasks import load_task
 
 from .scripted_server import ScriptedAnthropicServer, shell, tool

@@ -10,7 +10,7 @@ import pytest
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from services.harness.planning import execution_id_for
+from shared.events import execution_id_for
 from services.harness.service import HarnessService, HarnessSettings
 from shared.events import QueryDispatched, new_event, stream_id_for
 from shared.relay import OutboxRelay

@@ -18,11 +18,12 @@ from services.rollout.conversation import Conversation
 from services.rollout.credentials import ExecutionRegistry
 from services.rollout.engine import EngineOutput
 from services.rollout.gateway import GatewayCore, create_app
-from services.rollout.protocol import AdoptReply, AdoptRequest, GenerateReply, GenerateRequest, SamplingSpec, WorkerStatus
+from services.rollout.protocol import AdoptReply, AdoptRequest, GenerateReply, GenerateRequest, SamplingSpec
 from services.rollout.recording import InMemoryCallRecorder
 from services.rollout.router import Router, WorkerDirectory, WorkerUnreachable
 from services.rollout.worker import RolloutWorker
 from shared.chat import chat_template
+from shared.worker_status import WorkerStatus
 
 SPECIALS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
 

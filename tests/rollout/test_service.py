@@ -15,6 +15,7 @@ from shared.execution_tokens import derive_execution_token
 from services.rollout.service import RolloutGatewayService, RolloutSettings
 from services.rollout.transport import WorkerServer
 from services.rollout.worker import RolloutWorker
+from shared.blobs import Blobs
 from shared.bus import Bus
 from shared.events import CallCompleted, ExecutionFinished, new_event
 from shared.settings import Settings
@@ -99,13 +100,13 @@ async def test_worker_service_loads_published_weights_from_the_blob_store(store)
 
     service = RolloutWorkerService(Settings(run_id="run-w"), RolloutSettings(cell_id="cell-9"))
     service.store = store
+    service.blobs = Blobs(store.blobs)
     service.worker = RolloutWorker(RecordingEngine(CharCodec()), worker_id="w9", cell_id="cell-9")
     weights = {"layer.weight": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
-    ref = await store.put_blob(save(weights), media_type="application/x-safetensors")
+    ref = await store.blobs.put(save(weights), media_type="application/x-safetensors")
     event = new_event(WeightsPublished(version=4, step=3, weights=ref), run_id="run-w", stream_id="step-3",
                       version=1, occurred_at=datetime.now(UTC))
-    async with store.transaction() as tx:
-        await service.handle(event, tx)
+    await service.record(await service.handle(event))
     assert service.worker.policy_version == 4
     assert torch.equal(RecordingEngine.loaded["layer.weight"], weights["layer.weight"])
     # The scheduler learns the cell serves version 4 (it dispatches on the version served).
@@ -159,6 +160,6 @@ async def test_worker_carries_out_only_moves_ordered_off_its_own_cell() -> None:
                          occurred_at=service.process_started_at + timedelta(seconds=seconds_after_start))
 
     for event in (order("cell-3", 1.0), order("cell-4", 1.0)):
-        await service.handle(event, None)  # type: ignore[arg-type]
+        await service.handle(event)
     await asyncio.sleep(0)  # the move runs as a task of its own
     assert moves == [("e1", "cell-5")]

@@ -137,7 +137,7 @@ async def test_store_recorder_writes_deltas_that_replay_and_resumes_after_restar
     seqs = ExecutionSequences()
     prompts = [p0, p1, p2]
     for c in calls:
-        tokens = CallTokens.decode(await store.get_blob(c.record))
+        tokens = CallTokens.decode(await store.blobs.get(c.record))
         seq = seqs.add(CallRecord(execution_id=c.execution_id, call_id=c.call_id, call_index=c.call_index,
                                   parent_call_index=c.parent_call_index, parent_prefix_len=c.parent_prefix_len,
                                   tokens=tokens, policy_version=c.policy_version))

@@ -337,7 +337,7 @@ async def test_a_second_put_of_the_same_bytes_leaves_a_read_in_progress_whole(nb
     Object Store would replace the object and purge the chunks that read is waiting for (it never returns)."""
     data = bytes(range(256)) * 16_000  # 4 MB: ~32 chunks, read at ~10 ms each
     digest = await nbus.put_object(data)
-    store = await nbus._objects()  # noqa: SLF001
+    store = await nbus.objects._objects()  # noqa: SLF001
     name = digest.replace(":", "-")
     before = await store.get_info(name)
     sink = _SlowWriter()
@@ -351,7 +351,7 @@ async def test_a_second_put_of_the_same_bytes_leaves_a_read_in_progress_whole(nb
 
 async def test_a_read_whose_chunks_are_gone_fails_instead_of_waiting_for_ever(nbus: Bus):
     digest = await nbus.put_object(bytes(range(256)) * 2_000)
-    store = await nbus._objects()  # noqa: SLF001
+    store = await nbus.objects._objects()  # noqa: SLF001
     info = await store.get_info(digest.replace(":", "-"))
     await nbus.js.purge_stream(store._stream, subject=f"$O.{info.bucket}.C.{info.nuid}")  # noqa: SLF001
     with pytest.raises(ObjectFetchTimeout, match="0 B arrived, then nothing for 1 s"):

@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 
 from shared.bus import Bus, ConsumerOptions
 from shared.events import Event
@@ -18,7 +19,8 @@ from gyre.local import EmbeddedNats
 from shared.relay import OutboxRelay
 from shared.runtime import Service
 from shared.settings import Settings
-from shared.store import EventStore, Transaction
+from shared.effects import Effects
+from shared.store import EventStore
 from tests.conftest import Infra, drop_bus, make_bus, unique
 from tests.shared.helpers import assigned
 
@@ -162,8 +164,10 @@ class EffectService(Service):
     async def setup(self) -> None:
         self.on(["cell.assigned"], self.apply, options=FAST)
 
-    async def apply(self, event: Event, tx: Transaction) -> None:
-        tx.append([assigned(f"cell-effect-{event.event_id}", 1)])
+    async def apply(self, event: Event) -> Effects:
+        effects = Effects()
+        effects.append([assigned(f"cell-effect-{event.event_id}", 1)])
+        return effects
 
 
 async def test_consumer_killed_before_ack_applies_the_effect_once(store, bus, infra: Infra, monkeypatch):
@@ -217,6 +221,46 @@ async def test_consumer_killed_before_ack_applies_the_effect_once(store, bus, in
     await asyncio.sleep(1.5)  # past the ack wait: a duplicate redelivery would show now
     await second.stop()
     assert sorted(await effects()) == sorted(f"cell-effect-{e.event_id}" for e in inputs)
+
+
+async def test_no_transaction_is_open_while_a_handler_computes(store, bus, infra: Infra):
+    """Two-phase handlers: the handler computes with no transaction open (a training step takes minutes, and an
+    open transaction would hold its connection and its snapshot all that while); the effects and the tracking
+    row are then recorded together in one short transaction."""
+    settings = Settings(
+        database_url=infra.database_url, nats_url=infra.nats_url, db_schema=store.schema,
+        subject_prefix=bus.prefix, run_id=unique("r"),
+    )
+    computing, release = asyncio.Event(), asyncio.Event()
+
+    class SlowEffectService(EffectService):
+        async def apply(self, event: Event) -> Effects:
+            computing.set()
+            await release.wait()
+            return await super().apply(event)
+
+    service = SlowEffectService(settings)
+    await service.start()
+    trigger = assigned("cell-in", 1, run_id=settings.run_id)
+    try:
+        await bus.publish(trigger)
+        await asyncio.wait_for(computing.wait(), 30)
+        async with store.engine.connect() as conn:
+            open_transactions = (await conn.execute(sa.text(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND pid <> pg_backend_pid() AND state LIKE 'idle in transaction%' AND query ILIKE '%tracking%'"
+            ))).scalar()
+        assert open_transactions == 0
+        release.set()
+        for _ in range(600):
+            if await store.read_stream(f"cell-effect-{trigger.event_id}"):
+                break
+            await asyncio.sleep(0.05)
+        assert await store.is_processed("effects", trigger.event_id)
+        assert len(await store.read_stream(f"cell-effect-{trigger.event_id}")) == 1
+    finally:
+        release.set()
+        await service.stop()
 
 
 async def test_a_service_handles_its_own_run_only(store, bus, infra: Infra):

@@ -1,4 +1,6 @@
-"""Contract suite for the event store port, run against a real PostgreSQL per backend (embedded and by URL)."""
+"""Contract suite for the event store port, run against a real PostgreSQL per backend (embedded and by URL).
+
+Its blobs have their own suite (test_blob_contract.py), shared with the other blob backends."""
 
 from __future__ import annotations
 
@@ -9,18 +11,9 @@ import pytest
 import sqlalchemy as sa
 
 from shared.events import CellAssigned, Event, new_event
-from shared.store import (
-    BlobCorrupted,
-    BlobNotFound,
-    ConcurrencyConflict,
-    DuplicateEvent,
-    GROUPED_APPENDER_NAME,
-    EventStore,
-    GroupedAppender,
-    StoreError,
-    blob_ref,
-    blobs_table,
-)
+from shared.blobs import blob_ref
+from shared.grouped_append import GROUPED_APPENDER_NAME, GroupedAppender
+from shared.store import ConcurrencyConflict, DuplicateEvent, EventStore, StoreError
 from tests.conftest import drop_store, make_store
 from tests.shared.helpers import assigned
 
@@ -80,27 +73,6 @@ async def test_read_after_filters_by_type_and_run(es: EventStore):
     assert await es.read_after(0, types=["cell.ready"]) == []
     first = (await es.read_after(0, limit=1))[0]
     assert [s.event.stream_id for s in await es.read_after(first.position)] == ["cell-b"]
-
-
-async def test_blobs_are_content_addressed_and_deduplicated(es: EventStore):
-    ref = await es.put_blob(b"tokens" * 100, "application/x-test")
-    again = await es.put_blob(b"tokens" * 100, "application/x-test")
-    assert ref == again and ref.size == 600
-    assert await es.get_blob(ref) == b"tokens" * 100
-    assert await es.has_blob(ref.digest)
-    async with es.engine.connect() as conn:
-        count = (await conn.execute(sa.select(sa.func.count()).select_from(blobs_table))).scalar()
-    assert count == 1
-
-
-async def test_missing_and_corrupted_blobs_are_named_errors(es: EventStore):
-    with pytest.raises(BlobNotFound):
-        await es.get_blob("sha256:" + "1" * 64)
-    ref = await es.put_blob(b"original")
-    async with es.engine.begin() as conn:
-        await conn.execute(sa.update(blobs_table).values(data=b"tampered"))
-    with pytest.raises(BlobCorrupted):
-        await es.get_blob(ref)
 
 
 async def test_tracking_commits_with_effects_or_not_at_all(es: EventStore):
@@ -255,7 +227,7 @@ async def test_grouped_appends_version_each_stream_in_call_order(es: EventStore)
     in_log = [(s.event.stream_id, s.event.data.reason) for s in (await es.read_after(0, limit=100))[1:]]
     assert in_log == [(f"cell-{'ab'[i % 2]}", f"{tag}{i}") for i in range(20) for tag in "rs"]
     for i in range(20):
-        assert await es.get_blob(blob_ref(f"record {i}".encode(), "text/plain")) == f"record {i}".encode()
+        assert await es.blobs.get(blob_ref(f"record {i}".encode(), "text/plain")) == f"record {i}".encode()
 
 
 async def test_a_duplicate_in_a_grouped_commit_fails_only_its_own_append(es: EventStore):

@@ -45,21 +45,21 @@ class Crash(Exception):
 
 
 class CrashBeforeCommit(NoRedeliveryTrainerService):
-    """Trains and checkpoints step `crash_at`, then dies before its transaction commits."""
+    """Trains and checkpoints step `crash_at`, then dies before its effects are recorded."""
 
     crash_at = 2
 
-    async def _emit_step(self, tx, cause, step, metrics, seconds):  # noqa: ANN001, ANN202
+    async def _step_effects(self, cause, step, metrics, seconds):  # noqa: ANN001, ANN202
         if step == self.crash_at:
             self.stop_event.set()
             # Killed, not failed: the handler neither acks nor naks, so the batch waits out its ack_wait.
             raise asyncio.CancelledError("simulated crash after checkpoint, before commit")
-        await super()._emit_step(tx, cause, step, metrics, seconds)
+        return await super()._step_effects(cause, step, metrics, seconds)
 
 
 async def put_batch(store: EventStore, run_id: str, step: int) -> None:
     batch = make_batch(seed=3, step=step, vocab=500)
-    ref = await store.put_blob(batch.encode(), media_type=BATCH_MEDIA_TYPE)
+    ref = await store.blobs.put(batch.encode(), media_type=BATCH_MEDIA_TYPE)
     data = BatchReady(
         step=step, batch=ref, query_ids=[f"q{step}"], executions=len(batch.executions), trees=1,
         micro_batches=len(batch.micro_batches), unique_tokens=sum(mb.num_tokens for mb in batch.micro_batches),
@@ -253,11 +253,10 @@ async def test_trainer_process_killed_mid_run_resumes_without_repeating_or_skipp
 async def test_a_service_stopping_during_a_checkpoint_write_does_not_roll_back_under_it(tmp_path: Path) -> None:
     """Cancellation (the service stopping) cannot stop the save's thread; rolling the weights back while it
     writes would mix two states in one checkpoint. Only a failure rolls back."""
-    import hashlib
     import threading
     from datetime import UTC, datetime
 
-    from shared.events import BlobRef
+    from shared.blobs import Blobs, InMemoryBlobStore
 
     blob = make_batch(seed=0, step=0).encode()
     saving, release = threading.Event(), threading.Event()
@@ -278,17 +277,15 @@ async def test_a_service_stopping_during_a_checkpoint_write_does_not_roll_back_u
             log.append("rolled back")
             return {}
 
-    class Store:
-        async def get_blob(self, ref):  # noqa: ANN001, ANN202
-            return blob
-
     service = TrainerService(Settings(run_id="r", max_staleness=1, state_dir=tmp_path), TrainerOptions())
-    service.trainer, service.store = Trainer(), Store()  # type: ignore[assignment]
-    ref = BlobRef(digest="sha256:" + hashlib.sha256(blob).hexdigest(), size=len(blob), store="pg")
+    service.trainer, service.store = Trainer(), object()  # type: ignore[assignment]
+    blobs = InMemoryBlobStore()
+    ref = await blobs.put(blob)
+    service.blobs = Blobs(blobs)
     data = BatchReady(step=0, batch=ref, query_ids=[], executions=0, trees=0, micro_batches=0, unique_tokens=0,
                       flat_tokens=0, target_tokens=0, min_policy_version=0, max_policy_version=0)
     event = new_event(data, run_id="r", stream_id="s", version=1, occurred_at=datetime.now(UTC))
-    task = asyncio.create_task(service.handle(event, None))  # type: ignore[arg-type]
+    task = asyncio.create_task(service.handle(event))
     await asyncio.to_thread(saving.wait, 10)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):

@@ -66,7 +66,7 @@ def test_unknown_selection_is_an_error() -> None:
 async def test_replay_reads_postgres_and_never_writes(store, infra: Infra, monkeypatch, tmp_path: Path) -> None:
     log = import_text((GOLDEN / "group.jsonl").read_text())
     for data in log.blobs.values():
-        await store.put_blob(data)
+        await store.blobs.put(data)
     await store.append(log.events)
     head = await store.head_position()
     monkeypatch.setenv("GYRE_DATABASE_URL", infra.database_url)
@@ -87,7 +87,7 @@ async def test_replay_of_a_corrupted_blob_in_postgres_fails_loudly(store, infra:
 
     log = import_text((GOLDEN / "drift.jsonl").read_text())
     for data in log.blobs.values():
-        await store.put_blob(data)
+        await store.blobs.put(data)
     await store.append(log.events)
     victim = next(iter(log.blobs))
     async with store.engine.begin() as conn:

@@ -58,7 +58,7 @@ def query_events(run_id: str, step: int, group: int) -> tuple[list[Event], dict[
 
 async def write(store: EventStore, events: list[Event], blobs: dict[str, bytes]) -> None:
     for data in blobs.values():
-        await store.put_blob(data)
+        await store.blobs.put(data)
     await store.append(events)
 
 
@@ -125,7 +125,7 @@ async def test_service_emits_one_batch_per_step_across_a_kill_and_restart(store,
         for e in events:
             for ref in [getattr(e.data, "record", None), getattr(e.data, "batch", None)]:
                 if ref is not None:
-                    out[ref.digest] = await store.get_blob(ref)
+                    out[ref.digest] = await store.blobs.get(ref)
         return out
 
     blobs = await fetch(history)
@@ -188,7 +188,7 @@ async def test_service_process_killed_mid_run_resumes_without_missing_or_duplica
     for e in history:
         for ref in [getattr(e.data, "record", None), getattr(e.data, "batch", None)]:
             if ref is not None:
-                blobs[ref.digest] = await store.get_blob(ref)
+                blobs[ref.digest] = await store.blobs.get(ref)
     report = verify(history, lambda ref: blobs[ref.digest], Selection(run=run_id))
     assert all(b.live_digest == b.rebuilt_digest for b in report.batches) and len(report.batches) == 3
 
@@ -230,7 +230,7 @@ async def test_a_later_end_event_rebuilds_the_tree_its_batch_trains(store, bus, 
         await relay.stop()
     assert len(found) == 1
     history = [s.event for s in await store.read_all(run_id=run_id)]
-    blobs[found[0].data.batch.digest] = await store.get_blob(found[0].data.batch)
+    blobs[found[0].data.batch.digest] = await store.blobs.get(found[0].data.batch)
     report = verify(history, lambda ref: blobs[ref.digest], Selection(run=run_id))
     (only,) = report.batches
     assert only.live_digest == only.rebuilt_digest

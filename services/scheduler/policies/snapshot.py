@@ -9,13 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-
-class Role(StrEnum):
-    """What a cell does: serves rollouts, trains, or sits outside the budget."""
-
-    ROLLOUT = "rollout"
-    TRAIN = "train"
-    IDLE = "idle"
+from shared.cells import Role
 
 
 class CellState(StrEnum):
