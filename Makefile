@@ -14,7 +14,7 @@ CLAUDE_CODE_DIR := $(CURDIR)/.cache/claude-code
 CLAUDE_STAMP := $(CLAUDE_CODE_DIR)/.installed
 export GYRE_CLAUDE_CODE_DIR ?= $(CLAUDE_CODE_DIR)
 
-.PHONY: setup test test-fast test-slow demo bench claude-code clean
+.PHONY: setup check test test-fast test-slow demo bench claude-code clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,11 +28,17 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# Boundaries and types: the import contracts and mypy settings in pyproject.toml. A service importing another,
+# shared/ importing a service, an import circle or a type error fails here, before any test runs.
+check: setup
+	$(BIN)/lint-imports
+	$(BIN)/mypy
+
 # The whole suite, slow end-to-end tests included.
-test: setup $(CLAUDE_STAMP)
+test: check $(CLAUDE_STAMP)
 	$(BIN)/pytest -q -ra
 
-test-fast: setup
+test-fast: check
 	$(BIN)/pytest -q -ra -m "not slow"
 
 test-slow: setup

@@ -10,13 +10,20 @@ import asyncio
 import json
 import sys
 import time
+import uuid
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
 from gyre import local
 from shared.settings import load_settings
+
+if TYPE_CHECKING:
+    from nats.aio.msg import Msg
+
+    from shared.events import Event
 
 console = Console()
 
@@ -84,10 +91,10 @@ async def _round_trip(nats_url: str, database_url: str, run_id: str) -> int:
         for i in range(4)
     ]
     wanted = {e.event_id for e in events}
-    seen: set = set()
+    seen: set[uuid.UUID] = set()
     stop = asyncio.Event()
 
-    async def handler(event, msg) -> None:
+    async def handler(event: Event, msg: Msg) -> None:
         if event.event_id in wanted:
             seen.add(event.event_id)
             if seen == wanted:

@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
@@ -28,55 +28,19 @@ from rich.table import Table
 
 from gyre import local
 from gyre.report import build_report, summary_lines, write_report
+from gyre.processes import Proc, ServiceKeptDying, restart, service_processes, start_all, stop_all
+from shared.events import (
+    CellAssigned,
+    CellReady,
+    Event,
+    ExecutionFinished,
+    ExecutionScored,
+    ExecutionStarted,
+    ExecutionTimedOut,
+)
 from shared.settings import load_settings, new_run_id
 
 console = Console()
-
-
-@dataclass
-class Proc:
-    name: str
-    argv: list[str]
-    env: dict[str, str] = field(default_factory=dict)
-    popen: subprocess.Popen[bytes] | None = None
-    restarts: int = 0
-
-    def start(self, base_env: dict[str, str], log_dir: Path) -> None:
-        log = open(log_dir / f"{self.name}.log", "ab")
-        self.popen = subprocess.Popen(
-            self.argv, env={**base_env, **self.env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-    def alive(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
-
-    def stop(self, timeout: float = 20.0) -> None:
-        if not self.alive():
-            return
-        assert self.popen is not None
-        os.killpg(self.popen.pid, signal.SIGTERM)
-        try:
-            self.popen.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-            self.popen.wait()
-
-
-def service_processes(python: str) -> list[Proc]:
-    """Every long-running process of a run, in start order (the same entry points compose.yaml runs).
-
-    The cell agent starts the rollout workers on its cells; the trainer runs as one process for the
-    run, so train cells only hold their place (`GYRE_CELL_TRAIN_COMMAND=hold`).
-    """
-    return [
-        Proc("relay", [python, "-m", "shared.relay"]),
-        Proc("trajectory", [python, "-m", "services.trajectory"]),
-        Proc("trainer", [python, "-m", "services.trainer"]),
-        Proc("gateway", [python, "-m", "services.rollout", "gateway"]),
-        Proc("harness", [python, "-m", "services.harness"]),
-        Proc("cells", [python, "-m", "services.scheduler", "cell"]),
-        Proc("scheduler", [python, "-m", "services.scheduler", "serve"]),
-    ]
 
 
 def loop_environment(
@@ -152,64 +116,14 @@ def loop_environment(
     return env
 
 
-def start_all(procs: list[Proc], env: dict[str, str], log_dir: Path) -> None:
-    log_dir.mkdir(parents=True, exist_ok=True)
-    for proc in procs:
-        proc.start(env, log_dir)
-
-
-def stop_all(procs: list[Proc], run_id: str | None = None) -> None:
-    for proc in reversed(procs):
-        proc.stop()
-    if run_id is not None:
-        reap_strays(run_id)
-
-
-def reap_strays(run_id: str) -> list[int]:
-    """SIGKILL any process still carrying this run's GYRE_RUN_ID (Linux /proc), e.g. an engine a cell agent
-    was starting when it was stopped: each cell process runs in its own session, out of the agent's group."""
-    marker = f"GYRE_RUN_ID={run_id}".encode()
-    killed = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        pid = int(entry.name)
-        if pid == os.getpid():
-            continue
-        try:
-            if marker in (entry / "environ").read_bytes().split(b"\0"):
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-        except (OSError, ValueError):
-            continue
-    if killed:
-        console.print(f"[yellow]stopped {len(killed)} stray process(es) of run {run_id}[/]")
-    return killed
-
-
-MAX_RESTARTS = 3
-
-
-class ServiceKeptDying(RuntimeError):
-    """A service exited more often than the launcher restarts one."""
-
-
-def _restart(proc: Proc, env: dict[str, str], log_dir: Path) -> None:
-    """A service that died is started again, as compose's restart policy would: each resumes from the log."""
-    code = proc.popen.returncode if proc.popen is not None else None
-    if proc.restarts >= MAX_RESTARTS:
-        raise ServiceKeptDying(f"{proc.name} exited ({code}) {proc.restarts + 1} times; see {log_dir / proc.name}.log")
-    proc.restarts += 1
-    console.print(f"[yellow]{proc.name} exited ({code}); starting it again ({proc.restarts}/{MAX_RESTARTS})[/]")
-    proc.start(env, log_dir)
-
-
 async def _watch(
     database_url: str, run_id: str, steps: int, procs: list[Proc], timeout_s: float, env: dict[str, str],
     log_dir: Path, schema: str | None = None,
-) -> list:
+) -> list[Event]:
     from shared.store import EventStore
 
     store = await EventStore.connect(database_url, schema=schema)
-    events: list = []
+    events: list[Event] = []
     position = 0
     started = time.monotonic()
     try:
@@ -225,7 +139,7 @@ async def _watch(
                     return events
                 for proc in procs:
                     if not proc.alive():
-                        _restart(proc, env, log_dir)
+                        restart(proc, env, log_dir)
                 if time.monotonic() - started > timeout_s:
                     raise TimeoutError(f"the run did not finish {steps} steps within {timeout_s:.0f} s")
                 await asyncio.sleep(0.5)
@@ -233,25 +147,24 @@ async def _watch(
         await store.close()
 
 
-def _view(events: list, procs: list[Proc], steps: int, elapsed: float) -> Table:
+def _view(events: list[Event], procs: list[Proc], steps: int, elapsed: float) -> Table:
     roles: dict[str, str] = {}
     running: set[str] = set()
     counts = Counter(e.type for e in events)
     rewards: dict[int, list[float]] = {}
     step_of: dict[str, int] = {}
     for e in events:
-        d = e.data
-        match e.type:
-            case "cell.assigned":
+        match e.data:
+            case CellAssigned() as d:
                 roles[d.cell_id] = f"{d.role} (switching)"
-            case "cell.ready":
+            case CellReady() as d:
                 roles[d.cell_id] = d.role
-            case "execution.started":
+            case ExecutionStarted() as d:
                 running.add(d.execution_id)
                 step_of[d.execution_id] = d.step
-            case "execution.finished" | "execution.timed_out":
+            case ExecutionFinished() | ExecutionTimedOut() as d:
                 running.discard(d.execution_id)
-            case "execution.scored":
+            case ExecutionScored() as d:
                 rewards.setdefault(step_of.get(d.execution_id, 0), []).append(d.reward)
     table = Table(title=f"Gyre run — {elapsed:.0f} s — steps {counts['step.completed']}/{steps}")
     table.add_column("what")

@@ -93,7 +93,8 @@ class MicroBatch:
         return int(self.target_pos.shape[0])
 
     def labels(self) -> np.ndarray:
-        return self.input_ids[self.target_pos]
+        labels: np.ndarray = self.input_ids[self.target_pos]
+        return labels
 
     def validate(self, num_executions: int) -> None:
         n = self.num_tokens

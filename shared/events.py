@@ -1,6 +1,8 @@
 """Gyre's event catalogue: a versioned envelope around one frozen payload model per event type.
 
 Every event crossing a service boundary is one of these; `parse_event` is the only way bytes become events.
+One cohesive thing, kept whole on purpose: the catalogue is the contract between the services, and a reader
+should find every event of the system in one file.
 """
 
 from __future__ import annotations

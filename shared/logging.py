@@ -34,4 +34,5 @@ def configure_logging(service: str, *, level: str = "INFO", run_id: str | None =
 
 def get_logger(**ids: Any) -> structlog.typing.FilteringBoundLogger:
     """A logger bound to ids such as run_id, execution_id, cell_id, step."""
-    return structlog.get_logger().bind(**ids)
+    logger: structlog.typing.FilteringBoundLogger = structlog.get_logger().bind(**ids)
+    return logger

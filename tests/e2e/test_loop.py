@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gyre.launcher import service_processes, start_all, stop_all
+from gyre.processes import service_processes, start_all, stop_all
 from tests.conftest import Infra, unique
 from tests.e2e.helpers import loop_test_environment
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gyre.launcher import Proc, service_processes, start_all, stop_all
+from gyre.processes import Proc, service_processes, start_all, stop_all
 from tests.conftest import Infra, unique
 from tests.e2e.helpers import loop_test_environment
 

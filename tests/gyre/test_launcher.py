@@ -10,7 +10,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from gyre import launcher
+from gyre import launcher, processes
 from gyre.cli import _mount, app
 
 
@@ -56,16 +56,16 @@ def test_a_run_trains_on_the_tasks_it_is_given(tmp_path: Path) -> None:
 
 
 def test_a_process_that_dies_is_started_again_until_the_limit(tmp_path: Path) -> None:
-    proc = launcher.Proc("flaky", [sys.executable, "-c", "import sys; print('up'); sys.exit(3)"])
+    proc = processes.Proc("flaky", [sys.executable, "-c", "import sys; print('up'); sys.exit(3)"])
     proc.start({}, tmp_path)
     proc.popen.wait()
-    for n in range(1, launcher.MAX_RESTARTS + 1):
-        launcher._restart(proc, {}, tmp_path)  # noqa: SLF001 - the supervisor's one step
+    for n in range(1, processes.MAX_RESTARTS + 1):
+        processes.restart(proc, {}, tmp_path)  # the supervisor's one step
         assert proc.restarts == n
         proc.popen.wait()
     with pytest.raises(RuntimeError, match="flaky exited \\(3\\) 4 times"):
-        launcher._restart(proc, {}, tmp_path)  # noqa: SLF001
-    assert (tmp_path / "flaky.log").read_text().count("up") == launcher.MAX_RESTARTS + 1
+        processes.restart(proc, {}, tmp_path)
+    assert (tmp_path / "flaky.log").read_text().count("up") == processes.MAX_RESTARTS + 1
 
 
 def test_strays_of_a_run_are_reaped_and_no_other_process() -> None:
@@ -77,7 +77,7 @@ def test_strays_of_a_run_are_reaped_and_no_other_process() -> None:
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
                              env={**os.environ, "GYRE_RUN_ID": "run-stray-test-2"})
     try:
-        assert launcher.reap_strays("run-stray-test") == [mine.pid]
+        assert processes.reap_strays("run-stray-test") == [mine.pid]
         assert mine.wait(timeout=10) == -9
         assert other.poll() is None
     finally:
