@@ -129,7 +129,9 @@ class CellDraining(EventData):
     TYPE: ClassVar[str] = "cell.draining"
     cell_id: str
     from_role: Role
-    live_sessions: int = Field(ge=0)
+    # None: not known to the cell agent, which folds no session events (the worker's `cell.drained` counts what
+    # it moved and what it kept). Older logs carry the count the agent read from the worker's heartbeat.
+    live_sessions: int | None = Field(default=None, ge=0)
 
 
 @register

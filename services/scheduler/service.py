@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from services.scheduler.live import FOLDED_TYPES, PlanError, QueryPlan, RunView, query_stream
+from services.scheduler.plan import PlanError, QueryPlan, query_stream
 from services.scheduler.policies import (
     Action,
     AssignCell,
@@ -30,6 +30,8 @@ from services.scheduler.policies import (
     apply_actions,
     make_policy,
 )
+from services.scheduler.run_view import FOLDED_TYPES, RunView
+from shared.cells import Role
 from shared.events import CellAssigned, Event, KvMigrationOrdered, stream_id_for
 from shared.logging import configure_logging
 from shared.runtime import Service, utcnow
@@ -243,13 +245,13 @@ class SchedulerService(Service):
             match action:
                 case AssignCell(cell_id=cell_id, role=role):
                     event = self.event(
-                        CellAssigned(cell_id=cell_id, role=role.value, policy=self.settings.mode,
-                                     reason=_reason(snapshot, role.value)),
+                        CellAssigned(cell_id=cell_id, role=role, policy=self.settings.mode,
+                                     reason=_reason(snapshot, role)),
                         stream_id=stream_id_for("cell", cell_id),
                     )
                     await self.emit([event], expected_version="any")
                     emitted.append(event)
-                    self.log.info("cell_assigned", cell_id=cell_id, role=role.value)
+                    self.log.info("cell_assigned", cell_id=cell_id, role=role)
                 case DispatchQuery(query_id=query_id, policy_version=version, placements=placements):
                     number = self.plan.number_of(query_id)
                     assert number is not None, f"the policy dispatched {query_id!r}, which the plan never queued"
@@ -267,7 +269,7 @@ class SchedulerService(Service):
                     # The source cell's worker moves it (its KV, else a recompute) and reports kv.migrated.
                     event = self.event(
                         KvMigrationOrdered(execution_id=execution_id, from_cell=src, to_cell=dst,
-                                           policy=self.settings.mode, reason=_reason(snapshot, "rollout")),
+                                           policy=self.settings.mode, reason=_reason(snapshot, Role.ROLLOUT)),
                         stream_id=stream_id_for("cell", src),
                     )
                     await self.emit([event], expected_version="any")
@@ -280,7 +282,7 @@ class SchedulerService(Service):
         return emitted
 
 
-def _reason(snapshot: Snapshot, role: str) -> str:
+def _reason(snapshot: Snapshot, role: Role) -> str:
     t = snapshot.trainer
     return (f"{role}: version {t.policy_version}/{t.steps_total}, batch complete {t.batch_complete}, "
             f"{len(snapshot.live)} live, {len(snapshot.queued)} queued")

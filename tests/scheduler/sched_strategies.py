@@ -63,7 +63,7 @@ def snapshots(draw: st.DrawFn, *, parked: bool = False) -> Snapshot:
                     query_id=f"old{j}",
                     cell_id=host.cell_id,
                     context_tokens=kv,
-                    kv_bytes=kv,
+                    kv_tokens=kv,
                     dispatch_version=max(0, batch - k),
                     batch=batch,
                     migrating=draw(st.booleans()) and draw(st.booleans()),
@@ -88,5 +88,5 @@ def snapshots(draw: st.DrawFn, *, parked: bool = False) -> Snapshot:
         budget_cells=budget,
         batch_queries=batch_q,
         queries_dispatched=dispatched,
-        session_kv_reserve_bytes=RESERVE,
+        session_kv_reserve_tokens=RESERVE,
     )

@@ -5,18 +5,20 @@ worker's drain protocol, crash restarts and resuming after an agent restart."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import socket
 from pathlib import Path
 
-from services.scheduler.cell_agent import CellAgent, CellSettings, cell_ids, safe_id
-from shared.events import CellAssigned, new_event
+from services.scheduler.cell_agent import CellAgent
+from services.scheduler.cell_settings import CellSettings, cell_ids, safe_id
+from shared.events import CellAssigned, WeightsLoaded, new_event
 from shared.relay import OutboxRelay
 from shared.runtime import utcnow
 from shared.settings import Settings
 from tests.conftest import Infra, unique
+
+REPO = str(Path(__file__).resolve().parents[2])
 
 # A stand-in for a role's process: writes its pid where the test can see it, then sleeps.
 SLEEPER = "import os,sys,time,pathlib; pathlib.Path(sys.argv[1]).write_text(str(os.getpid())); time.sleep(600)"
@@ -24,38 +26,61 @@ SLEEPER = "import os,sys,time,pathlib; pathlib.Path(sys.argv[1]).write_text(str(
 STUBBORN = ("import os,sys,time,signal,pathlib; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
             "pathlib.Path(sys.argv[1]).write_text(str(os.getpid())); time.sleep(600)")
 
-# A stand-in rollout worker that speaks the worker's NATS contract: it heartbeats its status on
-# `<prefix>.rollout.status` with 3 live sessions, and reports drained once it sees cell.draining for its cell
-# (with the argument `stuck`, it never manages to drain).
-FAKE_WORKER = '''
-import asyncio, json, os, pathlib, signal, sys
+# A stand-in rollout worker that speaks the worker's event contract, through the real event store: once up it
+# appends `weights.loaded` (version 4) for its cell, and on a `cell.draining` of its cell (from rollout, issued after
+# it started) it drains its 3 sessions as its first argument says: `peer` moves each to another node's worker
+# (`kv.migrated`) and reports `cell.drained`; `alone` keeps them parked and says so; `confused` first reports a
+# drain some other order asked for, then its own; `silent` never reports; `exits` quits without a report.
+FAKE_WORKER = """
+import asyncio, os, pathlib, signal, sys, uuid
+sys.path.insert(0, {repo!r})
 import nats
+from shared.events import CellDrained, KvMigrated, WeightsLoaded, new_event, parse_event
+from shared.runtime import utcnow
+from shared.store import EventStore
 
 async def main():
-    cell, prefix = os.environ["GYRE_ROLLOUT_CELL_ID"], os.environ["GYRE_SUBJECT_PREFIX"]
-    pathlib.Path(sys.argv[1]).write_text(str(os.getpid()))
+    mode = sys.argv[1]
+    cell, run_id = os.environ["GYRE_ROLLOUT_CELL_ID"], os.environ["GYRE_RUN_ID"]
+    started = utcnow()
+    pathlib.Path(sys.argv[2]).write_text(str(os.getpid()))
+    store = await EventStore.connect(os.environ["GYRE_DATABASE_URL"], schema=os.environ.get("GYRE_DB_SCHEMA") or None)
     nc = await nats.connect(os.environ["GYRE_NATS_URL"])
-    state = {"state": "active", "live": 3}
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
 
-    async def on_draining(msg):
-        if json.loads(msg.data)["data"]["cell_id"] == cell and sys.argv[2:] != ["stuck"]:
-            state.update(state="drained", live=0)
+    async def append(data, cause=None):
+        event = new_event(data, run_id=run_id, stream_id="cell-" + cell, version=1, occurred_at=utcnow(),
+                          causation_id=cause)
+        await store.append([event], expected_version="any")
 
-    await nc.subscribe(prefix + ".cell.draining", cb=on_draining)
-    while not stop.is_set():
-        status = {"worker_id": cell, "cell_id": cell, "state": state["state"], "live_sessions": state["live"],
-                  "capacity": 8, "in_flight": 0, "policy_version": 4, "max_model_len": 64}
-        await nc.publish(prefix + ".rollout.status", json.dumps(status).encode())
-        try:
-            await asyncio.wait_for(stop.wait(), 0.1)
-        except asyncio.TimeoutError:
-            pass
+    async def on_draining(msg):
+        event = parse_event(msg.data)
+        if event.data.cell_id != cell or event.data.from_role != "rollout" or event.occurred_at < started:
+            return
+        if mode == "exits":
+            stop.set()
+            return
+        if mode == "silent":
+            return
+        if mode == "confused":
+            await append(CellDrained(cell_id=cell, worker_id=cell, migrated_sessions=99, parked_sessions=0,
+                                     seconds=0.1), cause=uuid.uuid4())
+        moved = 3 if mode in ("peer", "confused") else 0
+        for i in range(moved):
+            await append(KvMigrated(execution_id=f"x{{i}}", from_cell=cell, to_cell="n2-cell0", tokens=10, bytes=10,
+                                    seconds=0.1, method="kv"))
+        await append(CellDrained(cell_id=cell, worker_id=cell, migrated_sessions=moved, parked_sessions=3 - moved,
+                                 seconds=0.1), cause=event.event_id)
+
+    await nc.subscribe(os.environ["GYRE_SUBJECT_PREFIX"] + ".cell.draining", cb=on_draining)
+    await append(WeightsLoaded(cell_id=cell, worker_id=cell, version=4))
+    await stop.wait()
     await nc.close()
+    await store.close()
 
 asyncio.run(main())
-'''
+"""
 
 
 def agent(infra: Infra, store, bus, run_id: str, tmp_path: Path, **cell) -> CellAgent:
@@ -177,7 +202,7 @@ async def test_a_switch_drains_releases_and_readies_in_order_and_swaps_the_proce
     drains = [e.data for e in events if e.type == "cell.draining"]
     releases = [e.data for e in events if e.type == "cell.released"]
     readies = [e.data for e in events if e.type == "cell.ready"]
-    assert [(d.from_role, d.live_sessions) for d in drains] == [("rollout", 0), ("train", 0)]
+    assert [(d.from_role, d.live_sessions) for d in drains] == [("rollout", None), ("train", None)]
     assert [r.from_role for r in releases] == ["rollout", "train"]
     assert [r.role for r in readies] == ["rollout", "train", "rollout"]
     for released, ready in zip(releases, readies[1:]):
@@ -187,55 +212,65 @@ async def test_a_switch_drains_releases_and_readies_in_order_and_swaps_the_proce
         assert report.causation_id == order.event_id  # each switch names the order it carries out
 
 
-async def peer_heartbeats(bus, stop: asyncio.Event) -> None:
-    """Another node's active rollout worker, somewhere for a draining worker's sessions to go."""
-    status = {"worker_id": "n2-cell0", "cell_id": "n2-cell0", "state": "active", "live_sessions": 0,
-              "capacity": 8, "in_flight": 0, "policy_version": 4, "max_model_len": 64}
-    while not stop.is_set():
-        await bus.nc.publish(f"{bus.prefix}.rollout.status", json.dumps(status).encode())
-        try:
-            await asyncio.wait_for(stop.wait(), 0.1)
-        except asyncio.TimeoutError:
-            pass
-
-
-async def switch_fake_worker(store, bus, infra, tmp_path, *, stuck: bool, peer: bool) -> list:
+async def switch_fake_worker(store, bus, infra, tmp_path, mode: str, **cell) -> list:
+    """Start the fake worker on a cell (rollout), then order the cell to train; the cell's ready, draining and
+    released events."""
     run_id = unique("run-")
     script = tmp_path / "fake_worker.py"
-    script.write_text(FAKE_WORKER)
-    svc = agent(infra, store, bus, run_id, tmp_path, count=1, rollout_ready="status",
-                rollout_command=f"{{python}} {script} {tmp_path}/{{cell_id}}-rollout.pid" + (" stuck" if stuck else ""),
-                train_command=f"{{python}} -c '{SLEEPER}' {tmp_path}/{{cell_id}}-train.pid")
-    cell = "n1-cell0"
-    stop_peer = asyncio.Event()
-    peer_task = asyncio.create_task(peer_heartbeats(bus, stop_peer)) if peer else None
-    try:
-        async with Running(store, bus, infra, svc):
-            await assign(store, run_id, cell, "rollout")
-            await wait_for(store, run_id, cell, "cell.ready", 1)
-            await assign(store, run_id, cell, "train")
-            events = await wait_for(store, run_id, cell, "cell.ready", 2)
-    finally:
-        stop_peer.set()
-        if peer_task is not None:
-            await peer_task
-    return [[e.data for e in events if e.type == t] for t in ("cell.ready", "cell.draining", "cell.released")]
+    script.write_text(FAKE_WORKER.format(repo=REPO))
+    svc = agent(infra, store, bus, run_id, tmp_path, count=1, rollout_ready="status", ready_timeout_s=60,
+                rollout_command=f"{{python}} {script} {mode} {tmp_path}/{{cell_id}}-rollout.pid",
+                train_command=f"{{python}} -c '{SLEEPER}' {tmp_path}/{{cell_id}}-train.pid", **cell)
+    cell_id = "n1-cell0"
+    # A worker that ran on the cell before (in this run) loaded version 1: that does not make a new one ready.
+    old = new_event(WeightsLoaded(cell_id=cell_id, worker_id=cell_id, version=1), run_id=run_id,
+                    stream_id=f"cell-{cell_id}", version=1, occurred_at=utcnow())
+    await store.append([old], expected_version="any")
+    async with Running(store, bus, infra, svc):
+        await assign(store, run_id, cell_id, "rollout")
+        await wait_for(store, run_id, cell_id, "cell.ready", 1)
+        await assign(store, run_id, cell_id, "train")
+        events = await wait_for(store, run_id, cell_id, "cell.ready", 2)
+    return [[e for e in events if e.type == t] for t in ("cell.ready", "cell.draining", "cell.drained", "cell.released")]
 
 
-async def test_rollout_drain_waits_for_the_worker_and_counts_its_sessions(store, bus, infra, tmp_path):
-    ready, draining, released = await switch_fake_worker(store, bus, infra, tmp_path, stuck=False, peer=True)
-    assert ready[0].policy_version == 4  # the worker's heartbeat made it ready, with its weights' version
-    assert draining[0].live_sessions == 3
-    assert released[0].migrated_sessions == 3  # the worker reported drained before it was stopped
+async def test_rollout_drain_waits_for_the_workers_report_and_counts_what_it_moved(store, bus, infra, tmp_path):
+    ready, draining, drained, released = await switch_fake_worker(store, bus, infra, tmp_path, "peer")
+    assert ready[0].data.policy_version == 4  # the new worker's start-up weights.loaded made it ready
+    assert draining[0].data.live_sessions is None  # the agent does not know; the worker's report counts them
+    assert drained[0].causation_id == draining[0].event_id
+    assert released[0].data.migrated_sessions == 3  # from the worker's cell.drained
+    assert drained[0].version < released[0].version  # the agent released the cell only after the report
 
 
 async def test_with_no_other_rollout_worker_the_sessions_stay_parked(store, bus, infra, tmp_path):
-    """A colocate pool turning to training has nowhere to migrate: the switch goes on (drain_timeout_s is
-    600 s here, far beyond the test's wait) and reports nothing migrated."""
-    ready, draining, released = await switch_fake_worker(store, bus, infra, tmp_path, stuck=True, peer=False)
-    assert draining[0].live_sessions == 3
-    assert released[0].migrated_sessions == 0
-    assert [r.role for r in ready] == ["rollout", "train"]
+    """A colocate pool turning to training has nowhere to migrate: the worker says it kept its sessions, and the
+    switch goes on at once (drain_timeout_s is 600 s here, far beyond the test's wait)."""
+    ready, draining, drained, released = await switch_fake_worker(store, bus, infra, tmp_path, "alone")
+    assert (drained[0].data.migrated_sessions, drained[0].data.parked_sessions) == (0, 3)
+    assert released[0].data.migrated_sessions == 0
+    assert [r.data.role for r in ready] == ["rollout", "train"]
+
+
+async def test_only_the_report_of_the_drain_the_agent_asked_for_ends_it(store, bus, infra, tmp_path):
+    """A cell.drained caused by another order (a drain before this one) is not this drain's end."""
+    _, draining, drained, released = await switch_fake_worker(store, bus, infra, tmp_path, "confused")
+    assert [d.data.migrated_sessions for d in drained] == [99, 3]
+    assert drained[1].causation_id == draining[0].event_id != drained[0].causation_id
+    assert released[0].data.migrated_sessions == 3
+
+
+async def test_a_worker_that_never_reports_its_drain_is_stopped_after_the_drain_timeout(store, bus, infra, tmp_path):
+    ready, _, drained, released = await switch_fake_worker(store, bus, infra, tmp_path, "silent", drain_timeout_s=0.5)
+    assert drained == [] and released[0].data.migrated_sessions == 0
+    assert [r.data.role for r in ready] == ["rollout", "train"]
+
+
+async def test_a_worker_that_exits_while_draining_ends_the_wait(store, bus, infra, tmp_path):
+    """drain_timeout_s is 600 s: the switch goes on because the process is gone, not because time ran out."""
+    ready, _, drained, released = await switch_fake_worker(store, bus, infra, tmp_path, "exits")
+    assert drained == [] and released[0].data.migrated_sessions == 0
+    assert [r.data.role for r in ready] == ["rollout", "train"]
 
 
 async def test_a_crashed_process_is_restarted_and_a_restarted_agent_resumes_its_last_order(store, bus, infra, tmp_path):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from shared.events import ExecutionFinished, StepCompleted, new_event
+from shared.events import ExecutionFinished, StepCompleted, execution_id_for, new_event
 from shared.relay import OutboxRelay
 from shared.runtime import utcnow
 from tests.conftest import Infra, unique
@@ -82,7 +82,7 @@ async def test_scheduler_and_cell_agent_processes_run_a_colocate_step(store, bus
         query = dispatched[0].data
         assert (query.query_id, query.task_id, query.step) == (f"{run_id}-step0-q0", "task-a", 0)
         for i in range(2):  # the harness's part, played by the test
-            await store.append([new_event(ExecutionFinished(execution_id=f"{query.query_id}-s{i}", elapsed_s=1, calls=1),
+            await store.append([new_event(ExecutionFinished(execution_id=execution_id_for(query.query_id, i), elapsed_s=1, calls=1),
                                           run_id=run_id, stream_id=f"execution-{i}", version=1, occurred_at=utcnow())])
         await wait_types(store, run_id, "cell.ready", 4)  # both cells trained: rollout -> train
         await store.append([new_event(StepCompleted(step=0, policy_version=1, world_size=2, seconds=1, metrics={}),

@@ -4,7 +4,6 @@ no duplicate dispatch across a restart, colocate's alternation, and silence once
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
 from services.scheduler.policies import DispatchQuery
 from services.scheduler.service import SchedulerService, SchedulerSettings
@@ -15,6 +14,7 @@ from shared.events import (
     EventData,
     ExecutionFinished,
     StepCompleted,
+    execution_id_for,
     new_event,
 )
 from shared.runtime import utcnow
@@ -93,7 +93,7 @@ async def test_async_assigns_fixed_pools_and_dispatches_within_the_staleness_bou
         await ticks(svc)
         assert await events_of(store, run_id, "query.dispatched") == []  # no active rollout cell yet
         await ready(store, run_id, {"n1-cell0": "rollout", "n1-cell1": "train"})
-        step0 = await wait_until(store, run_id, "query.dispatched", 2)
+        await wait_until(store, run_id, "query.dispatched", 2)
         await ticks(svc)
         # k = 0: step 1's queries wait for the trainer's first version.
         assert len(await events_of(store, run_id, "query.dispatched")) == 2
@@ -161,7 +161,7 @@ async def test_colocate_alternates_the_whole_pool_between_rollout_and_training(s
     async def finish_step(step: int) -> None:
         query = f"{run_id}-step{step}-q0"
         for i in range(G):
-            await append(store, run_id, ExecutionFinished(execution_id=f"{query}-s{i}", elapsed_s=1, calls=1))
+            await append(store, run_id, ExecutionFinished(execution_id=execution_id_for(query, i), elapsed_s=1, calls=1))
 
     try:
         await wait_until(store, run_id, "cell.assigned", 2)
@@ -229,7 +229,7 @@ async def test_async_with_a_single_cell_decides_nothing_until_a_trainer_cell_joi
 async def test_elastic_orders_session_moves_live_once_each_and_the_fold_waits_for_them(store, bus, infra):
     """A decision's MigrateSession becomes kv.migration_ordered (the source cell's worker carries it out); the
     fold shows the session migrating, so later ticks do not order it again while the move is on its way."""
-    from services.scheduler.live import query_stream
+    from services.scheduler.plan import query_stream
 
     run_id = unique("run-")
     svc = scheduler(infra, store, bus, run_id, "elastic", total_steps=1, session_reserve_tokens=1000)

@@ -54,7 +54,7 @@ def snap(
         budget_cells=budget if budget is not None else len(cells),
         batch_queries=1,
         queries_dispatched=dispatched,
-        session_kv_reserve_bytes=RESERVE,
+        session_kv_reserve_tokens=RESERVE,
     )
 
 
@@ -126,7 +126,7 @@ def idle_cells_while_work_waits(policy: ElasticPolicy, s: Snapshot, outcome: Out
     cells = s.cells_by_id()
     room_q = s.queued[: s.dispatch_room()]
     waiting = sum(q.group_size for q in room_q[outcome.dispatched :])
-    limit = {c: int(cells[c].kv_capacity_bytes * policy.fill) for c in cells}
+    limit = {c: int(cells[c].kv_capacity_tokens * policy.fill) for c in cells}
     incoming = 0
     for cid, role in outcome.roles.items():
         if role is Role.ROLLOUT and outcome.states[cid] is CellState.ACTIVE:

@@ -21,11 +21,11 @@ from services.scheduler.policies.snapshot import (
     FinishedExecution,
     LiveExecution,
     QueuedQuery,
-    Role,
     Snapshot,
     SwitchCosts,
     TrainerView,
 )
+from shared.cells import Role
 
 POLICY_NAMES = ("elastic", "async", "colocate")
 

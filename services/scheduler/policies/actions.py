@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.scheduler.policies.snapshot import CellState, Role, Snapshot
+from services.scheduler.policies.snapshot import CellState, Snapshot
+from shared.cells import Role
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +61,7 @@ class Outcome:
     parked: frozenset[str]  # executions left on a cell that became a train cell
     placed: dict[str, int]  # cell -> new sessions placed on it
     dispatched: int
-    reserved: dict[str, int]  # rollout cell -> reserved KV bytes after the decision
+    reserved: dict[str, int]  # rollout cell -> reserved KV tokens after the decision
 
 
 def apply_actions(snapshot: Snapshot, actions: list[Action], *, allow_parking: bool) -> Outcome:
@@ -77,7 +78,7 @@ def apply_actions(snapshot: Snapshot, actions: list[Action], *, allow_parking: b
     cell_of = {e.execution_id: e.cell_id for e in snapshot.live}
     reserved: dict[str, int] = {c.cell_id: 0 for c in snapshot.cells}
     for e in snapshot.live:
-        reserved[e.cell_id] = reserved.get(e.cell_id, 0) + snapshot.reserved_bytes(e)
+        reserved[e.cell_id] = reserved.get(e.cell_id, 0) + snapshot.reserved_tokens(e)
     queued = {q.query_id: q for q in snapshot.queued}
     placed: dict[str, int] = {}
     dispatched = 0
@@ -101,11 +102,11 @@ def apply_actions(snapshot: Snapshot, actions: list[Action], *, allow_parking: b
                     raise PolicyViolation(f"execution {eid} is already migrating")
                 if roles[dst] is not Role.ROLLOUT or states[dst] is not CellState.ACTIVE or dst == src:
                     raise PolicyViolation(f"migration target {dst} must be another active rollout cell")
-                need = snapshot.reserved_bytes(live[eid])
-                if reserved[dst] + need > cells[dst].kv_capacity_bytes:
+                need = snapshot.reserved_tokens(live[eid])
+                if reserved[dst] + need > cells[dst].kv_capacity_tokens:
                     raise PolicyViolation(
-                        f"migrating {eid} needs {need} B on {dst}, which has "
-                        f"{cells[dst].kv_capacity_bytes - reserved[dst]} B free"
+                        f"migrating {eid} needs {need} KV tokens on {dst}, which has "
+                        f"{cells[dst].kv_capacity_tokens - reserved[dst]} free"
                     )
                 reserved[src] -= need
                 reserved[dst] += need
@@ -156,9 +157,9 @@ def apply_actions(snapshot: Snapshot, actions: list[Action], *, allow_parking: b
                     need_cell(cid)
                     if roles[cid] is not Role.ROLLOUT or states[cid] is not CellState.ACTIVE:
                         raise PolicyViolation(f"query {qid} placed on {cid}, which is not an active rollout cell")
-                    reserved[cid] += snapshot.session_kv_reserve_bytes
+                    reserved[cid] += snapshot.session_kv_reserve_tokens
                     placed[cid] = placed.get(cid, 0) + 1
-                    if reserved[cid] > cells[cid].kv_capacity_bytes:
+                    if reserved[cid] > cells[cid].kv_capacity_tokens:
                         raise PolicyViolation(f"query {qid} overfills the KV reserve of cell {cid}")
                 del queued[qid]
                 dispatched += 1

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from services.scheduler.policies.actions import Action, DispatchQuery
-from services.scheduler.policies.snapshot import CellState, CellView, Role, Snapshot
+from services.scheduler.policies.snapshot import CellState, CellView, Snapshot
+from shared.cells import Role
 
 
 class Policy(Protocol):
@@ -26,7 +27,7 @@ class Policy(Protocol):
 
 @dataclass(slots=True)
 class Room:
-    """Mutable KV bookkeeping for one decision: reserved bytes per rollout cell against a fill target."""
+    """Mutable KV bookkeeping for one decision: reserved KV tokens per rollout cell against a fill target."""
 
     reserved: dict[str, int]
     limit: dict[str, int]
@@ -34,10 +35,10 @@ class Room:
     @classmethod
     def of(cls, snapshot: Snapshot, fill: float) -> Room:
         reserved = {c.cell_id: 0 for c in snapshot.cells}
-        floor = snapshot.session_kv_reserve_bytes
-        for e in snapshot.live:  # inlined Snapshot.reserved_bytes: this loop runs every decision
-            reserved[e.cell_id] = reserved.get(e.cell_id, 0) + (e.kv_bytes if e.kv_bytes > floor else floor)
-        limit = {c.cell_id: int(c.kv_capacity_bytes * fill) for c in snapshot.cells}
+        floor = snapshot.session_kv_reserve_tokens
+        for e in snapshot.live:  # inlined Snapshot.reserved_tokens: this loop runs every decision
+            reserved[e.cell_id] = reserved.get(e.cell_id, 0) + (e.kv_tokens if e.kv_tokens > floor else floor)
+        limit = {c.cell_id: int(c.kv_capacity_tokens * fill) for c in snapshot.cells}
         return cls(reserved=reserved, limit=limit)
 
     def free(self, cell_id: str) -> int:
@@ -72,7 +73,7 @@ def dispatch_onto(
     Each session goes to the cell with the most free room (spreading keeps per-session decode fast;
     elastic consolidates later when the load falls). A query starts only when its whole group fits.
     """
-    reserve = snapshot.session_kv_reserve_bytes
+    reserve = snapshot.session_kv_reserve_tokens
     candidates = [c for c in cell_ids if c not in exclude]
     heap = [(-room.free(c), c) for c in candidates if room.free(c) >= reserve]
     heapq.heapify(heap)
@@ -103,7 +104,7 @@ def dispatch_onto(
 
 def free_slots(snapshot: Snapshot, room: Room, cell_ids: list[str]) -> int:
     """How many more average sessions the given cells can take."""
-    reserve = max(1, snapshot.session_kv_reserve_bytes)
+    reserve = max(1, snapshot.session_kv_reserve_tokens)
     return sum(max(0, room.free(c)) // reserve for c in cell_ids)
 
 

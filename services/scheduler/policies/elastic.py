@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 from services.scheduler.policies.actions import Action, AssignCell, DispatchQuery, MigrateSession
 from services.scheduler.policies.base import Room, accepting, dispatch_onto, pending_sessions
-from services.scheduler.policies.snapshot import CellState, CellView, LiveExecution, Role, Snapshot
+from services.scheduler.policies.snapshot import CellState, CellView, LiveExecution, Snapshot
+from shared.cells import Role
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +44,7 @@ class ElasticPolicy:
         in_budget = sum(1 for c in cells if c.role is not Role.IDLE)
         spare = [c for c in cells if c.role is Role.IDLE][: max(0, snapshot.budget_cells - in_budget)]
         room = Room.of(snapshot, self.fill)
-        reserve = max(1, snapshot.session_kv_reserve_bytes)
+        reserve = max(1, snapshot.session_kv_reserve_tokens)
         trainer = snapshot.trainer
         work_now = trainer.backlog_tokens > 0
         actions: list[Action] = []
@@ -119,7 +120,7 @@ class ElasticPolicy:
         ]
 
     def _empty_slots(self, cell: CellView, reserve: int) -> int:
-        return int(cell.kv_capacity_bytes * self.fill) // reserve
+        return int(cell.kv_capacity_tokens * self.fill) // reserve
 
     def _dwelled(self, snapshot: Snapshot, cell: CellView) -> bool:
         return snapshot.now_s - cell.role_since_s >= self.min_dwell_s
@@ -138,7 +139,7 @@ class ElasticPolicy:
             on_cell[e.cell_id].append(e)
         pack = Room(
             reserved=dict(room.reserved),
-            limit={c.cell_id: int(c.kv_capacity_bytes * self.pack_fill) for c in cells},
+            limit={c.cell_id: int(c.kv_capacity_tokens * self.pack_fill) for c in cells},
         )
         rollout = [c for c in cells if c.role is Role.ROLLOUT and c.state is not CellState.SWITCHING]
         n_train = sum(1 for c in cells if c.role is Role.TRAIN)
@@ -160,12 +161,12 @@ class ElasticPolicy:
             if plan is None:
                 break  # cells are tried emptiest first: if this one does not fit, fuller ones will not
             if sessions:
-                move_s = max(snapshot.reserved_bytes(e) for e in sessions) / costs.migration_bytes_per_s
+                move_s = max(snapshot.reserved_tokens(e) for e in sessions) / costs.migration_tokens_per_s
                 cost_s = move_s + costs.to_train_s + costs.to_rollout_s
                 if self._training_horizon_s(snapshot, n_train + 1) < self.payback * cost_s:
                     break
             for e, dst in plan:
-                need = snapshot.reserved_bytes(e)
+                need = snapshot.reserved_tokens(e)
                 pack.reserved[dst] += need
                 pack.reserved[cell.cell_id] -= need
                 actions.append(MigrateSession(e.execution_id, cell.cell_id, dst))
@@ -191,8 +192,8 @@ class ElasticPolicy:
             return []
         free = {c: pack.free(c) for c in receivers if c != source}
         plan: list[tuple[LiveExecution, str]] = []
-        for e in sorted(sessions, key=lambda e: (-snapshot.reserved_bytes(e), e.execution_id)):
-            need = snapshot.reserved_bytes(e)
+        for e in sorted(sessions, key=lambda e: (-snapshot.reserved_tokens(e), e.execution_id)):
+            need = snapshot.reserved_tokens(e)
             fits = [(f, c) for c, f in free.items() if f >= need]
             if not fits:
                 return None
@@ -217,15 +218,15 @@ class ElasticPolicy:
         version = snapshot.trainer.policy_version
 
         def weight(e: LiveExecution) -> float:
-            need = snapshot.reserved_bytes(e)
+            need = snapshot.reserved_tokens(e)
             return need * self.critical_weight if e.batch == version else float(need)
 
         real = {c: room.reserved[c] for c in targets}
         load = {c: float(room.reserved[c]) for c in targets}
         for c in targets:
-            load[c] += sum(weight(e) - snapshot.reserved_bytes(e) for e in on_cell[c])
+            load[c] += sum(weight(e) - snapshot.reserved_tokens(e) for e in on_cell[c])
         mean = sum(load.values()) / len(targets)
-        reserve = max(1, snapshot.session_kv_reserve_bytes)
+        reserve = max(1, snapshot.session_kv_reserve_tokens)
         # Two lazy heaps find the busiest and the emptiest cell in O(log n) per move.
         high = [(-v, c) for c, v in load.items()]
         low = [(v, c) for c, v in load.items()]
@@ -244,8 +245,8 @@ class ElasticPolicy:
             if load[hi] - mean < reserve or mean - load[lo] < reserve or not on_cell[hi]:
                 break
             # Move the lightest non-critical session first: critical ones stay where they run.
-            e = min(on_cell[hi], key=lambda e: (e.batch == version, snapshot.reserved_bytes(e), e.execution_id))
-            need = snapshot.reserved_bytes(e)
+            e = min(on_cell[hi], key=lambda e: (e.batch == version, snapshot.reserved_tokens(e), e.execution_id))
+            need = snapshot.reserved_tokens(e)
             w = weight(e)
             if real[lo] + need > room.limit[lo] or load[lo] + w >= load[hi]:
                 break

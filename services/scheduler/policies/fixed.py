@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from services.scheduler.policies.actions import Action, AssignCell
 from services.scheduler.policies.base import Room, accepting, budget_pool, dispatch_onto
-from services.scheduler.policies.snapshot import CellState, Role, Snapshot
+from services.scheduler.policies.snapshot import CellState, Snapshot
+from shared.cells import Role
 
 
 class PolicyConfigError(ValueError):

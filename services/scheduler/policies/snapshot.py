@@ -1,7 +1,9 @@
 """What a scheduling policy sees: a frozen snapshot of cells, sessions, queries and trainer.
 
 The live scheduler fills it from events (cell.*, execution.*, step.completed, weights.published);
-the simulator fills it from its model. Time arrives as data (`now_s`), never from a clock.
+the simulator fills it from its model. Time arrives as data (`now_s`), never from a clock. KV is
+counted in tokens throughout (cells register their capacity in tokens); the simulator converts its
+bytes at its boundary.
 """
 
 from __future__ import annotations
@@ -22,12 +24,12 @@ class CellState(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class CellView:
-    """One accelerator cell: its role, its state and its KV-cache capacity."""
+    """One accelerator cell: its role, its state and its KV-cache capacity (in tokens)."""
 
     cell_id: str
     role: Role
     state: CellState
-    kv_capacity_bytes: int
+    kv_capacity_tokens: int
     role_since_s: float = 0.0  # when the cell last entered its role (for hysteresis)
 
 
@@ -39,10 +41,12 @@ class LiveExecution:
     query_id: str
     cell_id: str
     context_tokens: int
-    kv_bytes: int
+    kv_tokens: int  # the KV it holds on its cell
     dispatch_version: int  # policy version when its query was dispatched
     batch: int  # training step whose batch it belongs to
-    migrating: bool = False  # KV in flight towards cell_id
+    # Its KV is in flight: towards `cell_id` (an ordered move), or off `cell_id` (a cell leaving rollout whose
+    # worker has not yet said where the session went). Either way it is not to be moved again until it lands.
+    migrating: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,11 +80,13 @@ class TrainerView:
 
 @dataclass(frozen=True, slots=True)
 class SwitchCosts:
-    """Seconds to move a cell between roles, and the bandwidth a KV migration gets."""
+    """Seconds to move a cell between roles, and the rate a KV migration gets (in tokens per second)."""
 
     to_train_s: float = 8.52
     to_rollout_s: float = 3.46
-    migration_bytes_per_s: float = 25e9
+    # About what one 12k-token move took on the live system (docs/rollout.md, "Benchmark"): the prior the live
+    # scheduler uses until it has measured a migration (the simulator always sets its own).
+    migration_tokens_per_s: float = 10_000.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +103,7 @@ class Snapshot:
     budget_cells: int
     batch_queries: int  # queries per training batch (B)
     queries_dispatched: int  # queries dispatched since the run began
-    session_kv_reserve_bytes: int  # KV an average session grows to (what admission reserves for it)
+    session_kv_reserve_tokens: int  # KV tokens an average session grows to (what admission reserves for it)
     switch_costs: SwitchCosts = field(default_factory=SwitchCosts)
 
     def dispatch_room(self) -> int:
@@ -112,9 +118,9 @@ class Snapshot:
     def batch_of_next_query(self, offset: int = 0) -> int:
         return (self.queries_dispatched + offset) // self.batch_queries
 
-    def reserved_bytes(self, execution: LiveExecution) -> int:
-        """KV a live session holds against its cell: what it uses, or the average reserve if more."""
-        return max(execution.kv_bytes, self.session_kv_reserve_bytes)
+    def reserved_tokens(self, execution: LiveExecution) -> int:
+        """KV tokens a live session holds against its cell: what it uses, or the average reserve if more."""
+        return max(execution.kv_tokens, self.session_kv_reserve_tokens)
 
     def cells_by_id(self) -> dict[str, CellView]:
         return {c.cell_id: c for c in self.cells}

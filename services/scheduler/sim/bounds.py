@@ -102,7 +102,7 @@ def alone_seconds(preset: Preset, w: Workload, lag_nominal_s: float = 0.0) -> np
     l0 = float(preset.prompt_tokens)
     slope = (w.context_tokens.astype(np.float64) - l0) / d
     grown = np.maximum(0.0, d - lag_nominal_s)
-    return d * (law.a + law.beta * l0) + law.beta * slope * grown * grown / 2.0
+    return np.asarray(d * (law.a + law.beta * l0) + law.beta * slope * grown * grown / 2.0)
 
 
 def resident_token_seconds(preset: Preset, w: Workload, lag_nominal_s: float = 0.0) -> float:

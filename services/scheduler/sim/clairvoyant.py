@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 
 from services.scheduler.policies.actions import Action, AssignCell, DispatchQuery, MigrateSession
 from services.scheduler.policies.base import Room, accepting
-from services.scheduler.policies.snapshot import CellState, Role, Snapshot
+from services.scheduler.policies.snapshot import CellState, Snapshot
 from services.scheduler.sim.bounds import DecodeLaw, alone_seconds
 from services.scheduler.sim.workload import Preset, Workload
+from shared.cells import Role
 
 
 @dataclass
@@ -74,7 +75,7 @@ class ClairvoyantPolicy:
         now = snapshot.now_s
         cap = self.fill * self.law.capacity
         room = Room.of(snapshot, 1.0)  # the admission reserve, as the engine checks it
-        reserve = snapshot.session_kv_reserve_bytes
+        reserve = snapshot.session_kv_reserve_tokens
         acc = [c.cell_id for c in cells if accepting(c)]
         members: dict[str, list[int]] = defaultdict(list)
         info: dict[int, tuple[float, float]] = {}
@@ -83,7 +84,7 @@ class ClairvoyantPolicy:
         for e in snapshot.live:
             row = self._row(e.execution_id)
             info[row] = self._tolerance(row, float(e.context_tokens), now)
-            need[row] = snapshot.reserved_bytes(e)
+            need[row] = snapshot.reserved_tokens(e)
             members[e.cell_id].append(row)
             if e.migrating:
                 moving.add(row)

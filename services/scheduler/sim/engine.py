@@ -3,6 +3,9 @@
 Every session on a rollout cell advances at the cell's rate (nominal seconds per second), which falls
 as the cell's resident context grows (decode reads every session's KV each step). Rates are piecewise
 constant between events; the trainer drains a token backlog at `train cells × tokens/cell/s`.
+
+One cohesive thing, over the usual file size: the event loop, the per-cell virtual clocks and the trainer
+advance one shared state, and splitting them would spread every event's handling over several files.
 """
 
 from __future__ import annotations
@@ -37,12 +40,12 @@ from services.scheduler.sim.workload import HOUR, Preset, Workload
 _CELL, _DEADLINE, _SWITCH, _MIGRATED, _TRAIN, _STEP, _DECIDE = range(7)
 
 
-def session_reserve_bytes(preset: Preset) -> int:
-    """KV admission reserves for each session: what an average session grows to, so growth does not
-    overflow a full cell. The engine's concurrency limit is expressed as the same reserve, so one
+def session_reserve_tokens(preset: Preset) -> int:
+    """KV tokens admission reserves for each session: what an average session grows to, so growth does
+    not overflow a full cell. The engine's concurrency limit is expressed as the same reserve, so one
     number admits."""
     per_seq = preset.kv_capacity_tokens / preset.max_sessions_per_cell
-    return int(max(preset.mean_context_tokens, per_seq) * preset.kv_bytes_per_token)
+    return int(max(preset.mean_context_tokens, per_seq))
 
 
 class SimulationError(RuntimeError):
@@ -125,7 +128,7 @@ class Simulation:
         self.train_stamp = 0
         self.in_overhead = False
         self.per_batch = preset.batch_queries * preset.group_size
-        self.reserve_bytes = session_reserve_bytes(preset)
+        self.reserve_tokens = session_reserve_tokens(preset)
         self.next_decide = math.inf
         self.last_decide = -math.inf
         self.n_train_active = 0
@@ -374,7 +377,9 @@ class Simulation:
 
     # ---------------- the policy boundary ----------------
     def snapshot(self) -> Snapshot:
-        bpt = self.p.kv_bytes_per_token
+        """The policies' view of the model. The model's own physics counts KV in bytes (migration bandwidth,
+        migrated volume); the snapshot counts it in tokens, as the live scheduler does, so bytes are
+        converted here and nowhere else."""
         cells = tuple(self._cell_view(c) for c in self.cells)
         # Contexts are reported in quanta of 1/64 of the context cap: the policy's decisions do not
         # turn on finer detail, and unchanged sessions reuse their view (the snapshot dominates cost).
@@ -388,7 +393,7 @@ class Simulation:
             if hit is None or hit[0] != key:
                 ctx = int(q * quantum)
                 view = LiveExecution(
-                    f"s{s.sid}", f"q{s.query}", self.cells[s.cell].cell_id, ctx, ctx * bpt,
+                    f"s{s.sid}", f"q{s.query}", self.cells[s.cell].cell_id, ctx, ctx,
                     s.version, s.batch, s.migrating,
                 )  # fmt: skip
                 cache[s.sid] = (key, view)
@@ -419,15 +424,16 @@ class Simulation:
             budget_cells=self.p.cells,
             batch_queries=self.p.batch_queries,
             queries_dispatched=self.dispatched,
-            session_kv_reserve_bytes=self.reserve_bytes,
-            switch_costs=SwitchCosts(self.p.to_train_s, self.p.to_rollout_s, self.p.migration_bytes_per_s),
+            session_kv_reserve_tokens=self.reserve_tokens,
+            switch_costs=SwitchCosts(self.p.to_train_s, self.p.to_rollout_s,
+                                     self.p.migration_bytes_per_s / self.p.kv_bytes_per_token),
         )
 
     def _cell_view(self, c: _Cell) -> CellView:
         key = (c.role, c.state, c.role_since)
         hit = self.cell_views.get(c.idx)
         if hit is None or hit[0] != key:
-            hit = (key, CellView(c.cell_id, c.role, c.state, int(c.cap * self.p.kv_bytes_per_token), c.role_since))
+            hit = (key, CellView(c.cell_id, c.role, c.state, int(c.cap), c.role_since))
             self.cell_views[c.idx] = hit
         return hit[1]
 

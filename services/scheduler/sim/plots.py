@@ -9,6 +9,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import Rectangle  # noqa: E402
 
 if TYPE_CHECKING:
     from services.scheduler.sim.engine import Simulation
@@ -34,7 +35,7 @@ def plot_timelines(sims: dict[str, Simulation], path: Path, *, title: str, max_c
         ax.set_ylabel(f"{name}\ncells")
         ax.set_title(f"{name}: {sim.t / 3600.0:.1f} h for {len(sim.step_times)} steps", fontsize=9, loc="left")
     axes[-1, 0].set_xlabel("hours")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLOURS.values()]
+    handles = [Rectangle((0, 0), 1, 1, color=c) for c in COLOURS.values()]
     fig.legend(handles, list(COLOURS), loc="upper right", ncol=4, fontsize=8)
     fig.suptitle(title)
     fig.tight_layout(rect=(0, 0, 1, 0.96))

@@ -11,7 +11,7 @@ from typing import Any
 
 from services.scheduler.policies import POLICY_NAMES, make_policy
 from services.scheduler.sim.bounds import lower_bound, rollout_cell_seconds
-from services.scheduler.sim.engine import SimOptions, Simulation, session_reserve_bytes
+from services.scheduler.sim.engine import SimOptions, Simulation, session_reserve_tokens
 from services.scheduler.sim.presets import get_preset
 from services.scheduler.sim.workload import HOUR, Preset, sample_workload, workload_stats
 
@@ -30,9 +30,9 @@ def async_rollout_cells(preset: Preset, seed: int) -> int:
         train = float(w.context_tokens.sum()) / preset.train_tokens_per_cell_s
         share = roll / (roll + train)
     # The pool must hold at least one query's group: a query is dispatched whole. Slots per cell are
-    # counted in bytes, as admission counts them (the engine's reserve against Room.limit).
-    limit = int(int(preset.kv_capacity_tokens * preset.kv_bytes_per_token) * preset.fill)
-    per_cell = max(1, limit // session_reserve_bytes(preset))
+    # counted as admission counts them (the engine's reserve against Room.limit, in KV tokens).
+    limit = int(preset.kv_capacity_tokens * preset.fill)
+    per_cell = max(1, limit // session_reserve_tokens(preset))
     smallest = math.ceil(preset.group_size / per_cell)
     return min(preset.cells - 1, max(smallest, round(share * preset.cells)))
 

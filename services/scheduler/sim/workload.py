@@ -97,7 +97,7 @@ class Workload:
         return int(self.duration_s.shape[0]) // self.group_size
 
     def query_duration_s(self) -> np.ndarray:
-        return self.duration_s.reshape(-1, self.group_size).max(axis=1)
+        return np.asarray(self.duration_s.reshape(-1, self.group_size).max(axis=1))
 
 
 def sample_workload(preset: Preset, seed: int, *, n_queries: int | None = None) -> Workload:
