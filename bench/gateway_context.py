@@ -50,7 +50,7 @@ def _held_mb(core: Any, execution_id: str) -> tuple[float, float]:
     call sequences and the router's mirror of the worker's history): every array their views keep alive, the
     ones a buffer outgrew included. And what the same would take with every sequence a copy of its own."""
     anchors = [a.tokens for a in core.executions[execution_id].tito.anchors.values()]
-    sequences = list(core.recorder._lines[execution_id].log.sequences)
+    sequences = list(core.recorder._lines[execution_id].read.log.sequences)
     mirrors = [a for (e, _), m in core.router._mirrors.items() if e == execution_id for a in (m.prompt, m.completion)]
     owners = {}
     for view in [*anchors, *sequences, *mirrors]:
@@ -70,14 +70,17 @@ def _rss_bytes() -> int:
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     import httpx
 
+    from gyre.tinymodel import create_tiny_model
     from services.rollout import anthropic_api
     from services.rollout.codec import TokenizerCodec
-    from services.rollout.credentials import ExecutionRegistry
-    from services.rollout.gateway import GatewayCore, create_app
-    from shared.worker_status import WorkerStatus
-    from services.rollout.recording import InMemoryCallRecorder
+    from services.rollout.credentials import TokenVerifier
+    from services.rollout.gateway import create_app
+    from services.rollout.gateway_core import GatewayCore
+    from services.rollout.recorder_memory import InMemoryCallRecorder
     from services.rollout.router import Router, WorkerDirectory
-    from gyre.tinymodel import create_tiny_model
+    from shared.events import ExecutionStarted
+    from shared.execution_tokens import derive_execution_token
+    from shared.worker_status import WorkerStatus
 
     rnd = random.Random(0)
     with tempfile.TemporaryDirectory(prefix="gyre-bench-gw-") as work:
@@ -87,15 +90,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     directory.update(WorkerStatus(worker_id="w0", cell_id="cell-0", state="active", live_sessions=0, capacity=8,
                                   in_flight=0, policy_version=0, max_model_len=1 << 30))
     replies = _FixedReplies(codec.encode(reply_text) + [codec.end_of_turn_id])
+    secret = b"bench-secret"
     core = GatewayCore(codec=codec, router=Router(directory, replies), recorder=InMemoryCallRecorder(),
-                       max_model_len=1 << 30, model_name="tiny")
-    registry = ExecutionRegistry()
-    core.start_execution("bench")
-    token = registry.register("bench")
+                       tokens=TokenVerifier(secret), max_model_len=1 << 30, model_name="tiny")
+    # Taken up as the gateway takes up an execution.started: its (empty) log read before its first call.
+    core.take_up(ExecutionStarted(execution_id="bench", query_id="q", task_id="t", group_size=1, sample_index=0,
+                                  seed=0))
+    token = derive_execution_token(secret, "bench")
     at = sorted(int(x) for x in args.at.split(","))
     messages: list[dict[str, Any]] = [{"role": "user", "content": "Task: build the repository."}]
     points = []
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(core, registry)),
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(core)),
                                  base_url="http://gateway", headers={"x-api-key": token}) as client:
 
         def request() -> dict[str, Any]:

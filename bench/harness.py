@@ -16,7 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from services.harness.sandbox import ProcessSandbox, available_backends, make_sandbox
+from services.harness.sandbox import Sandbox
+from services.harness.sandboxes import available_backends, make_sandbox
 
 COMMANDS = ["true", "echo bench > out.txt && cat out.txt > /dev/null"]
 
@@ -30,7 +31,7 @@ def run_plain(workdir: Path, command: str) -> float:
     return time.perf_counter() - started
 
 
-def run_sandboxed(sandbox: ProcessSandbox, command: str) -> float:
+def run_sandboxed(sandbox: Sandbox, command: str) -> float:
     started = time.perf_counter()
     result = sandbox.exec(command, timeout_s=60)
     elapsed = time.perf_counter() - started

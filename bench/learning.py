@@ -59,7 +59,7 @@ def evaluate(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from services.harness.sandbox import make_sandbox
+    from services.harness.sandboxes import make_sandbox
     from services.harness.taskrun import prepare, run_tests, sandbox_spec_for
     from services.harness.tasks import load_task
     from shared.chat import parse_tool_calls
@@ -130,7 +130,7 @@ def sft_curve(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from services.harness.sandbox import make_sandbox
+    from services.harness.sandboxes import make_sandbox
     from services.harness.taskrun import prepare, sandbox_spec_for
     from services.harness.tasks import load_task
     from services.trainer.distributed import GroupSpec

@@ -36,7 +36,8 @@ def _free_port() -> int:
 async def _recorded_calls(store: Any, execution_ids: list[str]) -> tuple[dict[str, list[np.ndarray]], dict[str, list[list[int]]]]:
     """Each execution's prompts exactly as the gateway sent them (rebuilt from the recorded deltas) and what the
     gateway path generated, call by call."""
-    from shared.calls import CallRecord, CallTokens, ExecutionSequences
+    from shared.calls import ExecutionSequences, call_record
+    from shared.events import CallCompleted
 
     prompts: dict[str, list[np.ndarray]] = {}
     recorded: dict[str, list[list[int]]] = {}
@@ -44,14 +45,12 @@ async def _recorded_calls(store: Any, execution_ids: list[str]) -> tuple[dict[st
         seqs = ExecutionSequences()
         for item in await store.read_stream(f"execution-{execution_id}"):
             c = item.event.data
-            if getattr(c, "call_index", None) is None or item.event.type != "call.completed":
+            if not isinstance(c, CallCompleted):
                 continue
-            tokens = CallTokens.decode(await store.blobs.get(c.record))
-            seq = seqs.add(CallRecord(execution_id=c.execution_id, call_id=c.call_id, call_index=c.call_index,
-                                      parent_call_index=c.parent_call_index, parent_prefix_len=c.parent_prefix_len,
-                                      tokens=tokens, policy_version=c.policy_version))
+            record = call_record(c, await store.blobs.get(c.record))
+            seq = seqs.add(record)
             prompts.setdefault(c.execution_id, []).append(seq[: c.prompt_tokens])
-            recorded.setdefault(c.execution_id, []).append([int(t) for t in tokens.completion])
+            recorded.setdefault(c.execution_id, []).append([int(t) for t in record.tokens.completion])
     return prompts, recorded
 
 
@@ -78,14 +77,21 @@ async def _throughput(args: argparse.Namespace, engine: Any, model_dir: Path, na
     import uvicorn
 
     from services.rollout.codec import TokenizerCodec
-    from services.rollout.credentials import ExecutionRegistry
-    from services.rollout.gateway import GatewayCore, create_app
+    from services.rollout.credentials import TokenVerifier
+    from services.rollout.gateway import create_app
+    from services.rollout.gateway_core import GatewayCore
     from services.rollout.protocol import SamplingSpec
-    from services.rollout.recording import StoreCallRecorder
+    from services.rollout.recorder_postgres import PostgresCallRecorder
     from services.rollout.router import Router, WorkerDirectory
-    from services.rollout.transport import NatsWorkerClient, WorkerServer, watch_statuses
+    from services.rollout.transport import (
+        NatsWorkerClient,
+        WorkerServer,
+        watch_statuses,
+    )
     from services.rollout.worker import RolloutWorker
     from shared.bus import Bus
+    from shared.events import ExecutionStarted
+    from shared.execution_tokens import derive_execution_token
     from shared.runtime import freeze_startup_heap
     from shared.store import EventStore, run_migrations
 
@@ -100,23 +106,27 @@ async def _throughput(args: argparse.Namespace, engine: Any, model_dir: Path, na
     server = await WorkerServer(worker, bus).start()
     while not directory.live():
         await asyncio.sleep(0.02)
-    recorder = StoreCallRecorder(store, run_id="bench")
+    recorder = PostgresCallRecorder(store, run_id="bench")
+    secret = uuid.uuid4().hex.encode()
     core = GatewayCore(codec=TokenizerCodec.from_model_dir(model_dir), router=Router(directory, NatsWorkerClient(bus)),
-                       recorder=recorder, max_model_len=engine.max_model_len, model_name="tiny")
-    registry = ExecutionRegistry()
+                       recorder=recorder, tokens=TokenVerifier(secret), max_model_len=engine.max_model_len,
+                       model_name="tiny")
     port = _free_port()
-    http = uvicorn.Server(uvicorn.Config(create_app(core, registry), host="127.0.0.1", port=port,
+    http = uvicorn.Server(uvicorn.Config(create_app(core), host="127.0.0.1", port=port,
                                          log_level="warning", lifespan="off"))
     http_task = asyncio.create_task(http.serve())
     while not http.started:
         await asyncio.sleep(0.02)
     try:
         def client_for(i: int | str) -> Any:
-            core.start_execution(f"bench-{i}")  # registered, as the harness does: no log read at its first call
+            # Taken up as the gateway takes up an execution.started (its log read before its first call).
+            core.take_up(ExecutionStarted(execution_id=f"bench-{i}", query_id="q", task_id="t", group_size=1,
+                                          sample_index=0, seed=0))
             # Built before the clock starts: a client's TLS context alone costs ~18 ms of CPU, and in a
             # deployment the client lives in the agent's sandbox, not in the gateway.
-            return anthropic.AsyncAnthropic(api_key=registry.register(f"bench-{i}"), base_url=f"http://127.0.0.1:{port}",
-                                            max_retries=0, http_client=httpx2.AsyncClient(timeout=600))
+            return anthropic.AsyncAnthropic(api_key=derive_execution_token(secret, f"bench-{i}"),
+                                            base_url=f"http://127.0.0.1:{port}", max_retries=0,
+                                            http_client=httpx2.AsyncClient(timeout=600))
 
         async def agent(i: int | str, client: Any, turns: int) -> int:
             messages: list[dict[str, Any]] = [{"role": "user", "content": f"Task {i}: inspect the repository."}]
@@ -138,7 +148,7 @@ async def _throughput(args: argparse.Namespace, engine: Any, model_dir: Path, na
         # to the concurrency), which the direct path lacks: one untimed turn of as many executions.
         await asyncio.gather(*(agent(f"warm-{i}", client_for(f"warm-{i}"), 1) for i in range(args.executions)))
 
-        def end(names: list[str]) -> None:  # as the harness ends an execution: the gateway and the worker forget it
+        def end(names: list[str]) -> None:  # as an execution's end event does: the gateway and the worker forget it
             for name in names:
                 core.end_execution(f"bench-{name}")
                 worker.end_sessions(f"bench-{name}")
@@ -199,9 +209,8 @@ async def _throughput(args: argparse.Namespace, engine: Any, model_dir: Path, na
 
 async def _migration(args: argparse.Namespace, a: Any, b: Any, log: dict[str, Any]) -> tuple[float, float]:
     """A live session of `history_tokens` on A; move it to B by KV (save on A, load on B) or by recompute."""
-    from services.rollout.kv_handoff import KV_LOAD_PREFIX, KV_SAVE_PREFIX
+    from services.rollout.kv_handoff import KV_LOAD_PREFIX, KV_SAVE_PREFIX, kv_prompt
     from services.rollout.protocol import SamplingSpec
-    from services.rollout.kv_handoff import kv_prompt
 
     one = SamplingSpec(max_tokens=1, temperature=0.0)
     rng = np.random.default_rng(0)
@@ -229,9 +238,9 @@ async def _migration(args: argparse.Namespace, a: Any, b: Any, log: dict[str, An
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    from services.rollout.engine import VllmConfig, VllmEngine, prepare_cpu_environment
     from gyre.local import EmbeddedNats, EmbeddedPostgres
     from gyre.tinymodel import create_tiny_model
+    from services.rollout.engine import VllmConfig, VllmEngine, prepare_cpu_environment
 
     work = Path(tempfile.mkdtemp(prefix="gyre-bench-rollout-"))
     prepare_cpu_environment(work / "vllm")

@@ -66,7 +66,6 @@ def loop_environment(
     # vLLM binds IPC sockets under TMPDIR and a socket path may not exceed 107 bytes: keep it short.
     ipc = Path(tempfile.gettempdir()) / f"gyre-{hashlib.sha1(run_id.encode()).hexdigest()[:10]}"
     ipc.mkdir(parents=True, exist_ok=True)
-    admin_token = os.environ.get("GYRE_ROLLOUT_ADMIN_TOKEN") or secrets.token_urlsafe(32)
     token_secret = os.environ.get("GYRE_ROLLOUT_TOKEN_SECRET") or secrets.token_urlsafe(32)
     env = {
         **os.environ,
@@ -93,8 +92,6 @@ def loop_environment(
         "GYRE_HARNESS_GATEWAY_URL": f"http://127.0.0.1:{gateway_port}",
         # The gateway's internal API (register, end executions) answers only the harness: the sandboxes' route
         # to the gateway carries any path, and an agent must not lift its own call budget.
-        "GYRE_ROLLOUT_ADMIN_TOKEN": admin_token,
-        "GYRE_HARNESS_GATEWAY_ADMIN_TOKEN": admin_token,
         # Execution tokens derived from this secret survive a gateway restart (the launcher restarts services).
         "GYRE_ROLLOUT_TOKEN_SECRET": token_secret,
         "GYRE_HARNESS_MODEL_NAME": "gyre-tiny",

@@ -12,18 +12,19 @@ from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
 import anthropic
-from pydantic import BaseModel, ConfigDict, Field
 
 from services.harness.agent_core import (
     DELEGATE,
     SHELL,
-    SUB_AGENT_PROMPT,
     SUBMIT,
     SUMMARY_PROMPT,
-    SYSTEM_PROMPT,
     TOOL_SCHEMAS,
-    Branch,
     AgentCall,
+    AgentConfig,
+    AgentOutcome,
+    AgentStatus,
+    Branch,
+    Budget,
     MalformedReply,
     ToolUse,
     ValidReply,
@@ -34,7 +35,7 @@ from services.harness.agent_core import (
     should_compact,
     validate_reply,
 )
-from services.harness.sandbox import ExecResult
+from services.harness.sandbox_spec import ExecResult
 from shared.calls import CALL_INDEX_HEADER, call_seed
 
 
@@ -57,7 +58,7 @@ def _own_request_refused(exc: anthropic.APIError) -> bool:
 
 
 class CommandRunner(Protocol):
-    """Where the shell tool runs: a sandbox (ProcessSandbox.exec fits)."""
+    """Where the shell tool runs: a sandbox (Sandbox.exec fits)."""
 
     def exec(self, command: str, *, timeout_s: float) -> ExecResult: ...
 
@@ -69,57 +70,6 @@ class BranchSink(Protocol):
 class NullBranchSink:
     def branched(self, branch: Branch) -> None:
         return None
-
-
-class AgentConfig(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    model: str
-    max_tokens: int = Field(default=1024, gt=0)
-    temperature: float | None = None
-    system_prompt: str = SYSTEM_PROMPT
-    sub_agent_prompt: str = SUB_AGENT_PROMPT
-    # Context budget in tokens: past it the chain is compacted before its next call.
-    compact_at_tokens: int | None = Field(default=24_000, gt=0)
-    max_retries: int = Field(default=2, ge=0)
-    max_delegation_depth: int = Field(default=1, ge=0)
-    command_timeout_s: float = Field(default=120.0, gt=0)
-    tool_output_chars: int = Field(default=4000, gt=100)
-    # Retries of transient API errors (connection, 429, 5xx), each within the wall-clock budget.
-    sdk_max_retries: int = Field(default=2, ge=0)
-    # A seed to send as a body field (a Gyre extension the gateway uses for sampling). Under the harness
-    # service the gateway already holds each execution's seed from its registration; this is for a loop run
-    # against a gateway that does not.
-    seed: int | None = None
-
-
-class Budget(BaseModel):
-    """Per-execution limits; None is unlimited."""
-
-    model_config = ConfigDict(frozen=True)
-
-    wall_clock_s: float | None = Field(default=None, gt=0)
-    max_calls: int | None = Field(default=None, gt=0)
-
-
-AgentStatus = Literal["submitted", "ended", "timed_out", "calls_exhausted", "error"]
-
-
-class AgentOutcome(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    status: AgentStatus
-    answer: str | None = None
-    calls: int
-    elapsed_s: float
-    branches: tuple[Branch, ...] = ()
-    call_log: tuple[AgentCall, ...] = ()
-    error: str | None = None
-    infra_failure: bool = False  # the error came from the model API's side, not from the agent's own request
-
-    @property
-    def budget_ran_out(self) -> bool:
-        return self.status in ("timed_out", "calls_exhausted")
 
 
 class _Stop(Exception):
@@ -228,7 +178,6 @@ class AgentLoop:
 
     def _call(self, chain: _Chain, purpose: Literal["turn", "retry", "summary"], messages: list[dict[str, Any]]) -> tuple[int, Any]:
         self._check_budget()
-        remaining = self._remaining()
         kwargs: dict[str, Any] = {
             "model": self.config.model,
             "max_tokens": self.config.max_tokens,

@@ -1,4 +1,5 @@
-"""Pure core of the built-in agent loop: tool definitions, reply validation, context accounting, restarts.
+"""Pure core of the built-in agent loop: tool definitions, reply validation, context accounting, restarts,
+and the loop's configuration, budget and outcome.
 
 No I/O, no clock: the loop in agent.py feeds it plain dicts (Anthropic content blocks) and numbers.
 """
@@ -201,3 +202,58 @@ class AgentCall(BaseModel):
     output_tokens: int
     tool_calls: tuple[str, ...] = ()
     malformed: str | None = None
+
+
+class AgentConfig(BaseModel):
+    """How the built-in agent works: its model, prompts, context budget, retries and tool limits."""
+
+    model_config = ConfigDict(frozen=True)
+
+    model: str
+    max_tokens: int = Field(default=1024, gt=0)
+    temperature: float | None = None
+    system_prompt: str = SYSTEM_PROMPT
+    sub_agent_prompt: str = SUB_AGENT_PROMPT
+    # Context budget in tokens: past it the chain is compacted before its next call.
+    compact_at_tokens: int | None = Field(default=24_000, gt=0)
+    max_retries: int = Field(default=2, ge=0)
+    max_delegation_depth: int = Field(default=1, ge=0)
+    command_timeout_s: float = Field(default=120.0, gt=0)
+    tool_output_chars: int = Field(default=4000, gt=100)
+    # Retries of transient API errors (connection, 429, 5xx), each within the wall-clock budget.
+    sdk_max_retries: int = Field(default=2, ge=0)
+    # A seed to send as a body field (a Gyre extension the gateway uses for sampling). Under the harness
+    # service the gateway already takes each execution's seed from its `execution.started`; this is for a loop
+    # run against a gateway that has none.
+    seed: int | None = None
+
+
+class Budget(BaseModel):
+    """Per-execution limits; None is unlimited."""
+
+    model_config = ConfigDict(frozen=True)
+
+    wall_clock_s: float | None = Field(default=None, gt=0)
+    max_calls: int | None = Field(default=None, gt=0)
+
+
+AgentStatus = Literal["submitted", "ended", "timed_out", "calls_exhausted", "error"]
+
+
+class AgentOutcome(BaseModel):
+    """How one run of the built-in agent ended: its status, answer, calls, branches and call log."""
+
+    model_config = ConfigDict(frozen=True)
+
+    status: AgentStatus
+    answer: str | None = None
+    calls: int
+    elapsed_s: float
+    branches: tuple[Branch, ...] = ()
+    call_log: tuple[AgentCall, ...] = ()
+    error: str | None = None
+    infra_failure: bool = False  # the error came from the model API's side, not from the agent's own request
+
+    @property
+    def budget_ran_out(self) -> bool:
+        return self.status in ("timed_out", "calls_exhausted")

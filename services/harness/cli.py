@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import tempfile
 import uuid
@@ -10,28 +11,31 @@ from typing import Annotated
 
 import typer
 
-from services.harness.agent import AgentConfig, Budget
+from services.harness.agent_core import AgentConfig, Branch, Budget
+from services.harness.call_account import CallAccount, call_account
 from services.harness.execution import BuiltinHarness, Harness, run_execution
-from services.harness.external import ExternalHarness, GatewayAccess, claude_code
+from services.harness.external_harness import ExternalHarness, GatewayAccess, claude_code
+from services.harness.outcomes import AgentStopped
+from services.harness.sandboxes import BACKEND_NAMES
 from services.harness.taskgen import write_family
 from services.harness.taskrun import check_with_solution
-from services.harness.tasks import TaskFormatError, discover_tasks, load_task
+from services.harness.tasks import Task, TaskFormatError, discover_tasks, load_task
+from shared.events import stream_id_for
+from shared.execution_tokens import derive_execution_token, execution_of_token
 
 harness_app = typer.Typer(help="Tasks, sandboxes and executions of the harness service.", no_args_is_help=True)
 
-BACKENDS = ("auto", "bwrap", "unshare", "docker")
-
 
 def _backend(value: str) -> str:
-    if value not in BACKENDS:
-        raise typer.BadParameter(f"expected one of {', '.join(BACKENDS)}, got {value!r}")
+    if value not in BACKEND_NAMES:
+        raise typer.BadParameter(f"expected one of {', '.join(BACKEND_NAMES)}, got {value!r}")
     return value
 
 
 Backend = Annotated[str, typer.Option(help="Sandbox backend: auto, bwrap, unshare or docker.", callback=_backend)]
 
 
-def _load(task_dir: Path):  # type: ignore[no-untyped-def]
+def _load(task_dir: Path) -> Task:
     try:
         return load_task(task_dir)
     except TaskFormatError as exc:
@@ -94,12 +98,63 @@ def gen_tasks(out: Path = Path("tasks")) -> None:
         typer.echo(str(folder))
 
 
+class StoredCallAccount:
+    """Reads the execution's call account from the event store when an external agent exits, as the service does."""
+
+    def __init__(self, database_url: str, schema: str | None, execution_id: str) -> None:
+        self.database_url, self.schema, self.execution_id = database_url, schema, execution_id
+
+    def branched(self, branch: Branch) -> None:
+        return None
+
+    def agent_stopped(self, stopped: AgentStopped) -> None:
+        return None
+
+    def call_account(self) -> CallAccount | None:
+        from shared.store import EventStore
+
+        async def read() -> CallAccount:
+            store = await EventStore.connect(self.database_url, schema=self.schema)
+            try:
+                stored = await store.read_stream(stream_id_for("execution", self.execution_id))
+            finally:
+                await store.close()
+            return call_account(item.event.data for item in stored)
+
+        try:
+            return asyncio.run(read())
+        except Exception as exc:  # the check is advice: without it the exit is the agent's own
+            typer.echo(f"warning: the calls of {self.execution_id} could not be read from the log: {exc}", err=True)
+            return None
+
+
+def _execution_token(execution_id: str, token: str | None, secret: str | None) -> str:
+    """The token given, checked against the execution id when the secret is known, or derived from the secret."""
+    if token is None:
+        if not secret:
+            raise typer.BadParameter("expected --token, or --token-secret to derive the execution's token from")
+        return derive_execution_token(secret.encode(), execution_id)
+    if secret and execution_of_token(secret.encode(), token) != execution_id:
+        raise typer.BadParameter(f"--token was not derived for execution {execution_id!r} with --token-secret")
+    return token
+
+
 @harness_app.command("run")
 def run_cmd(
     task_dir: Path,
     base_url: Annotated[str, typer.Option(help="The gateway's URL, e.g. http://127.0.0.1:8400 (its GYRE_ROLLOUT_PORT)")],
-    token: Annotated[str, typer.Option(help="The execution's token")],
     model: Annotated[str, typer.Option(help="The served model's name")],
+    execution_id: Annotated[str | None, typer.Option(
+        help="The execution's id: the gateway records its calls on this execution's stream (default: a fresh id)")] = None,
+    token: Annotated[str | None, typer.Option(help="The execution's token (default: derived with --token-secret)")] = None,
+    token_secret: Annotated[str | None, typer.Option(
+        help="The gateway's token secret: derives the token for --execution-id, or checks --token against it",
+        envvar=["GYRE_HARNESS_GATEWAY_TOKEN_SECRET", "GYRE_ROLLOUT_TOKEN_SECRET"], show_envvar=False)] = None,
+    database_url: Annotated[str | None, typer.Option(
+        help="The event store: with it, an external agent's exit is read with the calls the gateway recorded "
+             "(infrastructure refusal, spent call budget)", envvar="GYRE_DATABASE_URL", show_envvar=False)] = None,
+    db_schema: Annotated[str | None, typer.Option(help="The event store's schema", envvar="GYRE_DB_SCHEMA",
+                                                  show_envvar=False)] = None,
     harness: Annotated[str, typer.Option(help="builtin, claude-code, or command")] = "builtin",
     command: Annotated[str | None, typer.Option(help="For --harness command: a bash command line; the task text is in $GYRE_INSTRUCTION")] = None,
     claude_code_dir: Annotated[Path | None, typer.Option(help="Folder holding node_modules/@anthropic-ai/claude-code")] = None,
@@ -117,22 +172,28 @@ def run_cmd(
         case "claude-code":
             if claude_code_dir is None:
                 raise typer.BadParameter("--claude-code-dir is required for --harness claude-code")
-            chosen = claude_code(claude_code_dir, model)
+            chosen = claude_code(claude_code_dir.resolve(), model)
         case "command":
             if not command:
                 raise typer.BadParameter("--command is required for --harness command")
             chosen = ExternalHarness(name="command", command=("bash", "-c", command))
         case other:
             raise typer.BadParameter(f"unknown harness {other!r}: expected builtin, claude-code or command")
-    execution_id = f"execution-{uuid.uuid4().hex[:12]}"
+    if execution_id is None:
+        if token is not None and database_url:
+            # A token given alone names its execution only to the gateway: the log check would read another stream.
+            raise typer.BadParameter("--execution-id is required with --token when the calls are read from the log")
+        execution_id = f"execution-{uuid.uuid4().hex[:12]}"
+    execution_token = _execution_token(execution_id, token, token_secret)
     state = state_dir or Path(tempfile.mkdtemp(prefix="gyre-exec-")) / execution_id
     result = run_execution(
         execution_id=execution_id,
         task=task,
         harness=chosen,
-        gateway=GatewayAccess(base_url=base_url, token=token, model=model),
+        gateway=GatewayAccess(base_url=base_url, token=execution_token, model=model),
         state_dir=state,
         budget=Budget(max_calls=max_calls, wall_clock_s=wall_clock_s),
         backend=backend,
+        observer=StoredCallAccount(database_url, db_schema, execution_id) if database_url else None,
     )
     typer.echo(result.model_dump_json(exclude={"agent": {"call_log"}}))

@@ -1,6 +1,6 @@
 """Docker backend of the sandbox: one `docker run --rm` per command over the same state folder, no network.
 
-Used where a Docker engine answers; the process sandbox (sandbox.py) is the default everywhere else.
+Used where a Docker engine answers; the process sandbox (process_sandbox.py) is the default everywhere else.
 """
 
 from __future__ import annotations
@@ -11,14 +11,9 @@ import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from services.harness.sandbox import (
-    _AREAS,
-    GYRE_RUN_DIR,
-    Bind,
-    ProcessSandbox,
-    SandboxSpec,
-    SandboxUnavailableError,
-)
+from services.harness.sandbox import Sandbox
+from services.harness.sandbox_argv import docker_run_argv
+from services.harness.sandbox_spec import Bind, SandboxSpec, SandboxUnavailableError
 
 DEFAULT_IMAGE = "python:3.11-slim"
 # Every container carries the folder its sandbox's state lives in (the harness's work folder), so a restarted
@@ -58,7 +53,7 @@ def sweep_orphan_containers(root: Path | str, timeout_s: float = 60.0) -> list[s
     return ids
 
 
-class DockerSandbox(ProcessSandbox):
+class DockerSandbox(Sandbox):
     """Same layout and API as ProcessSandbox; each command is a fresh container from `image`."""
 
     def __init__(
@@ -70,7 +65,8 @@ class DockerSandbox(ProcessSandbox):
         gateway_url: str | None = None,
     ) -> None:
         self.image = image
-        super().__init__(state_dir, spec, backend="docker", gateway_url=gateway_url)
+        self.backend = "docker"
+        super().__init__(state_dir, spec, gateway_url=gateway_url)
 
     def _check_available(self) -> None:
         if not docker_engine_available():
@@ -79,33 +75,13 @@ class DockerSandbox(ProcessSandbox):
     def _container(self, tag: str) -> str:
         return f"gyre-{self.state_dir.name}-{tag}".replace("/", "-")[:120]
 
-    def _full_argv(self, argv: list[str], env: Mapping[str, str], cwd: str, gateway: bool, binds: Sequence[Bind], tag: str) -> list[str]:
-        limits = self.spec.limits
-        args = ["docker", "run", "--rm", "--name", self._container(tag), "--network", "none", "--init"]
-        args += ["--label", f"{ROOT_LABEL}={self.state_dir.resolve().parent}"]
-        args += ["--user", f"{self.uid}:{self.uid}", "--cap-drop", "ALL", "--security-opt", "no-new-privileges", "--read-only"]
-        if limits.max_processes is not None:
-            args += ["--pids-limit", str(limits.max_processes)]
-        if limits.memory_bytes is not None:
-            args += ["--memory", str(limits.memory_bytes)]
-        if limits.cpu_seconds is not None:
-            args += ["--ulimit", f"cpu={limits.cpu_seconds}"]
-        if limits.file_size_bytes is not None:
-            args += ["--ulimit", f"fsize={limits.file_size_bytes}"]
-        if limits.open_files is not None:
-            args += ["--ulimit", f"nofile={limits.open_files}"]
-        for name, mount in [("work", self.workdir), *_AREAS.items()]:
-            args += ["-v", f"{self.state_dir / name}:{mount}:rw"]
-        for bind in binds:
-            args += ["-v", f"{bind.host}:{bind.inside}:{'ro' if bind.read_only else 'rw'}"]
-        if gateway:
-            # The image needs python3 for the relay, which listens on the container's own loopback.
-            args += ["-v", f"{self.state_dir / '.run'}:{GYRE_RUN_DIR}:ro"]
-        for key, value in env.items():
-            if key != "PATH":  # the image's own PATH: the host's Python is not inside
-                args += ["-e", f"{key}={value}"]
-        args += ["-w", cwd, self.image]
-        return [*args, *argv]
+    def _full_argv(self, argv: list[str], env: Mapping[str, str], cwd: str, gateway: bool, binds: Sequence[Bind],
+                   tag: str) -> list[str]:
+        return docker_run_argv(
+            argv, image=self.image, container=self._container(tag),
+            labels={ROOT_LABEL: str(self.state_dir.resolve().parent)}, uid=self.uid, limits=self.spec.limits,
+            state_dir=self.state_dir, workdir=self.workdir, binds=binds, gateway=gateway, env=env, cwd=cwd,
+        )
 
     def _kill(self, pgid: int, exited: threading.Event, tag: str) -> None:
         # Killing the client does not stop the container; the engine does.

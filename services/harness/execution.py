@@ -1,7 +1,8 @@
 """One execution end to end: sandbox + workspace, the harness (built-in loop or external command), grading.
 
 The service shell calls `run_execution` (in a thread) and turns the observer's callbacks and the result
-into events: branched while it runs, finished or timed_out when the agent stops, scored after grading.
+into events: branched while it runs, finished or timed_out when the agent stops, scored after grading. How
+the agent's end is classified is decided in outcomes.py.
 """
 
 from __future__ import annotations
@@ -9,23 +10,25 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
-from services.harness.agent import AgentConfig, AgentLoop, AgentOutcome, Budget
-from services.harness.agent_core import Branch
-from services.harness.external import ExternalHarness, ExternalOutcome, GatewayAccess, run_external
+from services.harness.agent import AgentLoop
+from services.harness.agent_core import AgentConfig, AgentOutcome, Branch, Budget
+from services.harness.call_account import CallAccount
+from services.harness.external import run_external
+from services.harness.external_harness import ExternalHarness, ExternalOutcome, GatewayAccess
 from services.harness.grading import GradeResult
-from services.harness.sandbox import ProcessSandbox, SandboxSpec, make_sandbox
+from services.harness.outcomes import AgentStopped, agent_stopped, external_stopped
+from services.harness.sandbox_spec import SandboxSpec
+from services.harness.sandboxes import make_sandbox
 from services.harness.taskrun import prepare, run_tests, sandbox_spec_for
 from services.harness.tasks import Task
 
-
-GATEWAY_STATUS_WAIT_S = 60.0  # how long an external execution's end waits for the gateway's account of its calls
+CALL_ACCOUNT_WAIT_S = 60.0  # how long an external execution's end waits for the account of its calls
 
 
 class BuiltinHarness(BaseModel):
@@ -36,30 +39,6 @@ class BuiltinHarness(BaseModel):
 
 
 Harness = BuiltinHarness | ExternalHarness
-StopStatus = Literal["finished", "timed_out", "error"]
-TimeoutBudget = Literal["wall_clock", "calls", "tokens", "crash"]
-
-
-class AgentStopped(BaseModel):
-    """What the agent phase ended with, reported before grading starts."""
-
-    model_config = ConfigDict(frozen=True)
-
-    status: StopStatus
-    stop_reason: str
-    budget: TimeoutBudget | None = None
-    elapsed_s: float
-    calls: int | None  # answered model calls; None where the harness cannot count them (an external agent)
-    infra_failure: bool = False  # the model API failed the agent (see AgentOutcome.infra_failure)
-
-
-class GatewayStatus(BaseModel):
-    """What the gateway saw of an external execution's model calls (its `/internal/executions/{id}`)."""
-
-    model_config = ConfigDict(frozen=True, extra="ignore")
-
-    last_infra_refusal: str | None = None  # why infrastructure refused the latest call, if it did
-    call_budget_spent: bool = False  # a call was refused because the execution's call budget was spent
 
 
 class ExecutionObserver(Protocol):
@@ -67,8 +46,9 @@ class ExecutionObserver(Protocol):
 
     def agent_stopped(self, stopped: AgentStopped) -> None: ...
 
-    def gateway_status(self) -> GatewayStatus | None:
-        """The gateway's account of the execution's calls, asked when an external agent exits (None: unknown)."""
+    def call_account(self) -> CallAccount | None:
+        """The account of the execution's model calls from its stream, asked when an external agent exits
+        (None: unknown)."""
         ...
 
 
@@ -79,7 +59,7 @@ class NullObserver:
     def agent_stopped(self, stopped: AgentStopped) -> None:
         return None
 
-    def gateway_status(self) -> GatewayStatus | None:
+    def call_account(self) -> CallAccount | None:
         return None
 
 
@@ -131,12 +111,11 @@ def run_execution(
         if isinstance(harness, ExternalHarness):
             # The call budget is the gateway's to enforce here (it refuses calls past it): the agent cannot.
             external_outcome = run_external(harness, sandbox, gateway, task.instruction, timeout_s=wall)
-            status = None if external_outcome.timed_out else observer.gateway_status()
-            stopped = _external_stopped(external_outcome, status)
+            stopped = external_stopped(external_outcome, observer.call_account())
         else:
             loop = AgentLoop.for_gateway(gateway.base_url, gateway.token, harness.agent.model_copy(update={"model": gateway.model}), sandbox, sink=observer)
             agent_outcome = loop.run(task.instruction, budget)
-            stopped = _agent_stopped(agent_outcome)
+            stopped = agent_stopped(agent_outcome)
         observer.agent_stopped(stopped)
         graded, _ = run_tests(task, sandbox)
         return ExecutionResult(
@@ -152,50 +131,16 @@ def run_execution(
         sandbox.close()
 
 
-def _agent_stopped(outcome: AgentOutcome) -> AgentStopped:
-    match outcome.status:
-        case "timed_out":
-            return AgentStopped(status="timed_out", stop_reason=outcome.error or "timed out", budget="wall_clock", elapsed_s=outcome.elapsed_s, calls=outcome.calls)
-        case "calls_exhausted":
-            return AgentStopped(status="timed_out", stop_reason=outcome.error or "call budget spent", budget="calls", elapsed_s=outcome.elapsed_s, calls=outcome.calls)
-        case "error":
-            return AgentStopped(status="error", stop_reason=outcome.error or "error", elapsed_s=outcome.elapsed_s,
-                                calls=outcome.calls, infra_failure=outcome.infra_failure)
-        case "submitted" | "ended":
-            return AgentStopped(status="finished", stop_reason=outcome.status, elapsed_s=outcome.elapsed_s, calls=outcome.calls)
-        case other:
-            raise ValueError(f"unknown agent status {other!r}")
-
-
-def _external_stopped(outcome: ExternalOutcome, status: GatewayStatus | None = None) -> AgentStopped:
-    """An external harness's end, read with the gateway's account of its calls (`status`)."""
-    if outcome.timed_out:
-        return AgentStopped(status="timed_out", stop_reason="wall-clock budget spent", budget="wall_clock", elapsed_s=outcome.elapsed_s, calls=None)
-    reason = "exit 0" if outcome.exit_code == 0 else f"exit {outcome.exit_code}"
-    if status is not None and status.call_budget_spent:
-        return AgentStopped(status="timed_out", stop_reason=f"call budget spent ({reason})", budget="calls",
-                            elapsed_s=outcome.elapsed_s, calls=None)
-    api_failure = status.last_infra_refusal if status is not None else None
-    if outcome.exit_code != 0 and api_failure is not None:
-        # It gave up because the model API failed it (after its own retries): the infrastructure's doing.
-        return AgentStopped(status="error", stop_reason=f"{reason} after the model API refused its last call: {api_failure}",
-                            elapsed_s=outcome.elapsed_s, calls=None, infra_failure=True)
-    # Otherwise a harness that exits non-zero still ends normally from the execution's view; its work is graded.
-    return AgentStopped(status="finished", stop_reason=reason, elapsed_s=outcome.elapsed_s, calls=None)
-
-
 def grade_preserved(task: Task, state_dir: Path, *, backend: str = "auto", spec: SandboxSpec | None = None) -> GradeResult:
     """Re-attach to an execution's state folder (e.g. after a crash) and grade the work it holds."""
     if not (Path(state_dir) / "work").is_dir():
         raise FileNotFoundError(f"{state_dir}: expected a sandbox state folder with work/, found none")
-    sandbox: ProcessSandbox = make_sandbox(state_dir, sandbox_spec_for(task, spec), backend=backend)
+    sandbox = make_sandbox(state_dir, sandbox_spec_for(task, spec), backend=backend)
     try:
         graded, _ = run_tests(task, sandbox)
         return graded
     finally:
         sandbox.close()
-
-
 
 
 class LoopObserver:
@@ -211,12 +156,12 @@ class LoopObserver:
         *,
         on_branched: Callable[[Branch], Coroutine[Any, Any, None]],
         on_stopped: Callable[[AgentStopped], Coroutine[Any, Any, None]],
-        on_gateway_status: Callable[[], Coroutine[Any, Any, GatewayStatus | None]] | None = None,
+        on_call_account: Callable[[], Coroutine[Any, Any, CallAccount | None]] | None = None,
     ) -> None:
         self._loop = loop
         self._on_branched = on_branched
         self._on_stopped = on_stopped
-        self._on_gateway_status = on_gateway_status
+        self._on_call_account = on_call_account
 
     def branched(self, branch: Branch) -> None:
         asyncio.run_coroutine_threadsafe(self._on_branched(branch), self._loop).result()
@@ -224,12 +169,12 @@ class LoopObserver:
     def agent_stopped(self, stopped: AgentStopped) -> None:
         asyncio.run_coroutine_threadsafe(self._on_stopped(stopped), self._loop).result()
 
-    def gateway_status(self) -> GatewayStatus | None:
-        if self._on_gateway_status is None:
+    def call_account(self) -> CallAccount | None:
+        if self._on_call_account is None:
             return None
-        future = asyncio.run_coroutine_threadsafe(self._on_gateway_status(), self._loop)
+        future = asyncio.run_coroutine_threadsafe(self._on_call_account(), self._loop)
         try:
-            return future.result(timeout=GATEWAY_STATUS_WAIT_S)
+            return future.result(timeout=CALL_ACCOUNT_WAIT_S)
         except concurrent.futures.TimeoutError:
             future.cancel()
             return None  # no answer in time: the exit stays the agent's own outcome

@@ -2,8 +2,11 @@
 limit, and reports their lives as events (started, branched, finished / timed_out, scored).
 
 Executions are announced (`execution.started`) in the same transaction that records the dispatch as
-processed, and launched only after it commits. After a crash, `recover` finds executions that started but
-never ended, marks them timed out (`budget="crash"`) and grades the work preserved in their sandboxes.
+processed, and launched only after it commits. The gateway takes each execution up from that event (seed,
+call budget, cell); the harness derives the execution's token itself from the secret both share, and reads
+the gateway's account of an external agent's calls back from the execution's stream: no control call goes
+from here to the gateway. After a crash, `recover` finds executions that started but never ended, marks them
+timed out (`budget="crash"`) and grades the work preserved in their sandboxes.
 """
 
 from __future__ import annotations
@@ -15,28 +18,19 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
-import httpx
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from services.harness.agent import AgentConfig, Budget
-from services.harness.agent_core import Branch
-from services.harness.execution import (
-    AgentStopped,
-    BuiltinHarness,
-    GatewayStatus,
-    Harness,
-    LoopObserver,
-    grade_preserved,
-    run_execution_async,
-)
-from services.harness.external import GatewayAccess
+from services.harness.agent_core import AgentConfig, Branch, Budget
+from services.harness.call_account import CallAccount, call_account
+from services.harness.execution import BuiltinHarness, Harness, LoopObserver, grade_preserved, run_execution_async
+from services.harness.external_harness import GatewayAccess
+from services.harness.outcomes import AgentStopped
 from services.harness.planning import plan_query, recovery_actions
-from services.harness.sandbox import UID_POOL
 from services.harness.tasks import Task, TaskFormatError, load_task
-from shared.execution_tokens import derive_execution_token
+from services.harness.uid_pool import UID_POOL
+from shared.effects import Effects
 from shared.events import (
-    CallCompleted,
     Event,
     EventData,
     ExecutionBranched,
@@ -47,11 +41,16 @@ from shared.events import (
     QueryDispatched,
     stream_id_for,
 )
+from shared.execution_tokens import derive_execution_token
 from shared.runtime import Service
 from shared.settings import Settings
-from shared.effects import Effects
 
 END_TYPES = ("execution.finished", "execution.timed_out")
+TOKEN_SECRET_VARIABLES = ("GYRE_HARNESS_GATEWAY_TOKEN_SECRET", "GYRE_ROLLOUT_TOKEN_SECRET")
+
+
+class TokenSecretMissingError(RuntimeError):
+    """The harness was started without the secret its executions' tokens are derived from."""
 
 
 class HarnessSettings(BaseSettings):
@@ -60,12 +59,11 @@ class HarnessSettings(BaseSettings):
     tasks_dir: Path = Path("tasks")
     work_dir: Path = Path(".gyre/executions")
     gateway_url: str = "http://127.0.0.1:8400"  # the gateway's default GYRE_ROLLOUT_PORT
-    # The gateway's GYRE_ROLLOUT_ADMIN_TOKEN, which it is read from when this is not set.
-    gateway_admin_token: str = Field(default_factory=lambda: os.environ.get("GYRE_ROLLOUT_ADMIN_TOKEN", ""))
-    # The gateway's GYRE_ROLLOUT_TOKEN_SECRET (read from it when not set): with it every execution registers a
-    # derived token, which a restarted gateway still verifies (a random one is known only to the gateway that
-    # minted it, so a gateway restart would lock the execution out).
-    gateway_token_secret: str = Field(default_factory=lambda: os.environ.get("GYRE_ROLLOUT_TOKEN_SECRET", ""))
+    # The gateway's GYRE_ROLLOUT_TOKEN_SECRET (read from it when not set), required: each execution's token is
+    # derived from it and the execution id (shared.execution_tokens), and the gateway, holding the same secret,
+    # recognises the token without being told of it, across its restarts too.
+    gateway_token_secret: str = Field(default_factory=lambda: os.environ.get("GYRE_ROLLOUT_TOKEN_SECRET", ""),
+                                      repr=False)
     model_name: str = "gyre"
     concurrency: int = 2
     harness: Literal["builtin", "claude-code"] = "builtin"
@@ -87,11 +85,19 @@ class HarnessService(Service):
         # One thread per slot, apart from the event loop's default pool (see run_execution_async).
         self._threads = concurrent.futures.ThreadPoolExecutor(self.h.concurrency, thread_name_prefix="execution")
         self._running: dict[str, asyncio.Task[None]] = {}
-        self._http: httpx.AsyncClient | None = None
         self._task_cache: dict[str, Task] = {}
 
+    def token_secret(self) -> bytes:
+        """The secret execution tokens are derived from; a named error when it was not configured."""
+        if not self.h.gateway_token_secret:
+            raise TokenSecretMissingError(
+                f"the harness derives each execution's token from the gateway's secret: expected it in "
+                f"{' or '.join(TOKEN_SECRET_VARIABLES)}, found neither set"
+            )
+        return self.h.gateway_token_secret.encode()
+
     async def setup(self) -> None:
-        self._http = httpx.AsyncClient(timeout=30)
+        self.token_secret()  # before anything is recovered or launched: no execution could call the model
         if os.geteuid() == 0:  # process sandboxes run as pool uids only under root
             swept = await asyncio.to_thread(UID_POOL.sweep_orphans)
             if swept:
@@ -109,8 +115,6 @@ class HarnessService(Service):
         for task in self._running.values():
             task.cancel()
         self._threads.shutdown(wait=False, cancel_futures=True)
-        if self._http is not None:
-            await self._http.aclose()
 
     def health(self) -> dict[str, Any]:
         return {"running_executions": len(self._running)}
@@ -131,9 +135,9 @@ class HarnessService(Service):
         if name not in ("builtin", "claude-code"):
             raise ValueError(f"unknown harness {name!r}: expected builtin or claude-code")
         if name == "claude-code":
-            from services.harness.external import claude_code
+            from services.harness.external_harness import claude_code
 
-            return claude_code(self.h.claude_code_dir, self.h.model_name)
+            return claude_code(self.h.claude_code_dir.resolve(), self.h.model_name)
         return BuiltinHarness(
             agent=AgentConfig(
                 model=self.h.model_name, max_tokens=self.h.max_tokens, compact_at_tokens=self.h.compact_at_tokens
@@ -179,34 +183,20 @@ class HarnessService(Service):
         # unhealthy so that a supervisor restarts it.
         task.add_done_callback(self._task_ended)
 
-    async def _register(self, started: ExecutionStarted) -> str:
-        """Mint the execution's token at the gateway, handing it the execution's seed (every call samples with
-        `call_seed(seed, index)` unless it brings its own), call budget (calls past it are refused) and the
-        cell the scheduler placed it on (the router starts it there)."""
-        assert self._http is not None
-        headers = {"x-api-key": self.h.gateway_admin_token} if self.h.gateway_admin_token else {}
-        body = {"execution_id": started.execution_id, "seed": started.seed, "max_calls": started.call_budget,
-                "cell_id": started.cell_id}
-        if self.h.gateway_token_secret:
-            body["token"] = derive_execution_token(self.h.gateway_token_secret.encode(), started.execution_id)
-        response = await self._http.post(f"{self.h.gateway_url}/internal/executions", json=body, headers=headers)
-        response.raise_for_status()
-        return str(response.json()["token"])
+    async def read_call_account(self, execution_id: str) -> CallAccount:
+        """The account of an execution's model calls, folded from its stream (the gateway records each answer
+        and each refusal there before the agent sees it)."""
+        assert self.store is not None
+        stored = await self.store.read_stream(stream_id_for("execution", execution_id))
+        return call_account(item.event.data for item in stored)
 
-    async def _gateway_status(self, execution_id: str) -> GatewayStatus | None:
-        """The gateway's account of the execution's calls: whether infrastructure refused the latest and whether
-        the call budget was spent.
-
-        Asked after an external harness exits, before its end event (which makes the gateway forget the
-        execution). A gateway that cannot answer leaves the exit graded as the agent's own."""
-        assert self._http is not None
-        headers = {"x-api-key": self.h.gateway_admin_token} if self.h.gateway_admin_token else {}
+    async def _account_at_exit(self, execution_id: str) -> CallAccount | None:
+        """The account an external agent's end is read with; one that cannot be read leaves the exit graded as
+        the agent's own."""
         try:
-            response = await self._http.get(f"{self.h.gateway_url}/internal/executions/{execution_id}", headers=headers)
-            response.raise_for_status()
-            return GatewayStatus.model_validate(response.json())
-        except Exception as exc:  # whatever stops the answer, the exit stays the agent's own outcome
-            self.log.warning("gateway_status_unavailable", execution_id=execution_id, error=str(exc))
+            return await self.read_call_account(execution_id)
+        except Exception as exc:  # whatever stops the read, the exit stays the agent's own outcome
+            self.log.warning("call_account_unavailable", execution_id=execution_id, error=str(exc))
             return None
 
     async def _run(self, started: ExecutionStarted, cause: Event) -> None:
@@ -217,14 +207,7 @@ class HarnessService(Service):
         async with self._slots:
             t0 = time.monotonic()
             ended = False
-            try:
-                token = await self._register(started)
-            except (httpx.HTTPError, ValueError, KeyError) as exc:  # unreachable, refused, or an answer without a token
-                log.error("gateway_registration_failed", error=f"{type(exc).__name__}: {exc}")
-                await self._emit(ExecutionTimedOut(execution_id=execution_id, budget="crash", elapsed_s=0, calls=0),
-                                 stream, cause)
-                await self._emit(self._zero_score(started, "gateway unreachable"), stream, cause)
-                return
+            token = derive_execution_token(self.token_secret(), execution_id)
 
             async def on_branched(branch: Branch) -> None:
                 await self._emit(
@@ -253,7 +236,7 @@ class HarnessService(Service):
                     budget=budget,
                     backend=self.h.backend,
                     observer=LoopObserver(loop, on_branched=on_branched, on_stopped=on_stopped,
-                                          on_gateway_status=lambda: self._gateway_status(execution_id)),
+                                          on_call_account=lambda: self._account_at_exit(execution_id)),
                 )
             except Exception as exc:
                 log.exception("execution_failed", error=str(exc))
@@ -280,16 +263,7 @@ class HarnessService(Service):
         event reports when the agent could not (an external harness, a crash). The gateway records a call
         before it answers, so every call the agent was answered is in this count; a call the engine finishes
         later is recorded past the end and left out of the trajectory."""
-        assert self.store is not None
-        indices = {
-            stored.event.data.call_index
-            for stored in await self.store.read_stream(stream_id_for("execution", execution_id))
-            if isinstance(stored.event.data, CallCompleted)
-        }
-        count = 0
-        while count in indices:
-            count += 1
-        return count
+        return (await self.read_call_account(execution_id)).answered
 
     def _zero_score(self, started: ExecutionStarted, reason: str) -> ExecutionScored:
         self.log.warning("execution_scored_zero", execution_id=started.execution_id, reason=reason)

@@ -11,7 +11,9 @@ import shutil
 from pathlib import Path
 
 from services.harness.grading import GradeResult, grade
-from services.harness.sandbox import Bind, ExecResult, ProcessSandbox, SandboxSpec, chown_tree, make_sandbox
+from services.harness.sandbox import Sandbox, chown_tree
+from services.harness.sandbox_spec import Bind, ExecResult, SandboxSpec
+from services.harness.sandboxes import make_sandbox
 from services.harness.tasks import TEST_DIR, Task
 
 LOGS_DIR = "/logs"
@@ -31,7 +33,7 @@ def sandbox_spec_for(task: Task, base: SandboxSpec | None = None) -> SandboxSpec
     return base.model_copy(update={"workdir": task.workdir})
 
 
-def prepare(task: Task, sandbox: ProcessSandbox) -> None:
+def prepare(task: Task, sandbox: Sandbox) -> None:
     """Copy workspace/ into the working directory and run setup.sh (if any) inside the sandbox."""
     if task.workspace is not None:
         shutil.copytree(task.workspace, sandbox.work_host, dirs_exist_ok=True, symlinks=True)
@@ -49,7 +51,7 @@ def prepare(task: Task, sandbox: ProcessSandbox) -> None:
             )
 
 
-def run_solution(task: Task, sandbox: ProcessSandbox) -> ExecResult:
+def run_solution(task: Task, sandbox: Sandbox) -> ExecResult:
     """Run the task's reference solution.sh in the working directory."""
     if task.solution is None:
         raise FileNotFoundError(f"{task.root}: expected a solution.sh, found none")
@@ -60,7 +62,7 @@ def run_solution(task: Task, sandbox: ProcessSandbox) -> ExecResult:
     )
 
 
-def run_tests(task: Task, sandbox: ProcessSandbox) -> tuple[GradeResult, ExecResult]:
+def run_tests(task: Task, sandbox: Sandbox) -> tuple[GradeResult, ExecResult]:
     """Copy the tests in (fresh), run them against the preserved work, and score the result."""
     tests_host = sandbox.state_dir / "grading" / "tests"
     logs_host = sandbox.state_dir / "grading" / "logs"

@@ -7,81 +7,38 @@ Accepts what Claude Code sends (cache_control anywhere, thinking, metadata, role
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
-from services.rollout.conversation import ChatMessage, Conversation, ToolSpec, schema_problem
+from services.rollout.api_common import (
+    all_tools,
+    checked_max_tokens,
+    checked_model,
+    checked_number,
+    checked_seed,
+    checked_stop,
+    chunks,
+    content_text,
+    one_tool,
+    request_object,
+    tool_spec,
+)
+from services.rollout.api_types import (
+    Completion,
+    HttpApi,
+    ParsedRequest,
+    SamplingRequest,
+)
+from services.rollout.conversation import ChatMessage, Conversation, ToolSpec
+from services.rollout.errors import ApiError, invalid
 from shared.chat import ToolCall
-from services.rollout.errors import invalid
 
-TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,128}$")
-
-
-@dataclass(frozen=True)
-class SamplingRequest:
-    """API-neutral sampling options; max_tokens None means "what the context leaves"."""
-
-    max_tokens: int | None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    forced_tools: tuple[str, ...] = ()  # tool_choice any/tool: the reply must call one of these
-
-
-@dataclass(frozen=True)
-class ParsedRequest:
-    model: str
-    conversation: Conversation
-    sampling: SamplingRequest
-    stream: bool
-
-
-@dataclass(frozen=True)
-class Completion:
-    """What the gateway produced for one call, before it is shaped into an API response."""
-
-    call_id: str
-    model: str
-    reply: ChatMessage
-    tool_ids: tuple[str, ...]
-    finish_reason: str  # "stop" | "length"
-    stop_sequence: str | None
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    policy_version: int
-    logprobs: tuple[float, ...] = ()
-    token_texts: tuple[str, ...] = ()
-    call_index: int | None = None  # the index the call was recorded under in its execution's log
+_PLACEHOLDERS = ("image", "document")
 
 
 def _text_of(content: Any, where: str) -> str:
     """Text of a string or a list of content blocks; images/documents become placeholders."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise invalid(f"{where}: expected a string or a list of content blocks, got {type(content).__name__}")
-    parts: list[str] = []
-    for i, block in enumerate(content):
-        if isinstance(block, str):
-            parts.append(block)
-            continue
-        if not isinstance(block, dict) or not isinstance(block.get("type"), str):
-            raise invalid(f"{where}.{i}: expected a content block object with a string 'type'")
-        kind = block["type"]
-        if kind == "text":
-            if not isinstance(block.get("text"), str):
-                raise invalid(f"{where}.{i}.text: Field required (a string)")
-            parts.append(block["text"])
-        elif kind in ("image", "document"):
-            parts.append(f"[{kind}]")
-    return "".join(parts)
+    return content_text(content, where, placeholders=_PLACEHOLDERS, bare_strings=True)
 
 
 def _system_text(system: Any) -> str:
@@ -103,24 +60,10 @@ def parse_tools(tools: Any) -> tuple[ToolSpec, ...]:
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict):
             raise invalid(f"tools.{i}: expected a tool object", param="tools")
-        kind = tool.get("type")
-        if kind not in (None, "custom"):
+        if tool.get("type") not in (None, "custom"):
             continue  # server tools (web search, code execution...) are not rendered for a local model
-        name = tool.get("name")
-        if not isinstance(name, str) or not TOOL_NAME.match(name):
-            raise invalid(f"tools.{i}.name: expected a string matching {TOOL_NAME.pattern}, got {name!r}")
-        schema = tool.get("input_schema")
-        if not isinstance(schema, dict) or schema.get("type") != "object":
-            raise invalid(
-                f"tools.{i}.input_schema: expected a JSON Schema object with \"type\": \"object\", got "
-                f"{json.dumps(schema)[:200] if schema is not None else 'nothing'}"
-            )
-        if problem := schema_problem(schema):
-            raise invalid(f"tools.{i}.input_schema.{problem}")
-        description = tool.get("description") or ""
-        if not isinstance(description, str):
-            raise invalid(f"tools.{i}.description: expected a string")
-        specs.append(ToolSpec(name=name, description=description, parameters=schema))
+        specs.append(tool_spec(tool.get("name"), tool.get("description"), tool.get("input_schema"),
+                               where=f"tools.{i}", schema_field="input_schema"))
     return tuple(specs)
 
 
@@ -201,51 +144,30 @@ def _user(content: Any, where: str) -> list[ChatMessage]:
     return out
 
 
-def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise invalid(f"{name}: expected a number in [{low}, {high}], got {value!r}")
-    return float(value)
-
-
 def parse_request(body: Any, *, count_only: bool = False) -> ParsedRequest:
-    if not isinstance(body, dict):
-        raise invalid("request body: expected a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise invalid("model: Field required")
+    body = request_object(body)
+    model = checked_model(body)
     conversation = Conversation(
         messages=parse_messages(body.get("messages"), body.get("system")),
         tools=parse_tools(body.get("tools")),
     )
     max_tokens: int | None = None
     if not count_only:
-        raw = body.get("max_tokens")
-        if raw is None:
-            raise invalid("max_tokens: Field required")
-        if isinstance(raw, bool) or not isinstance(raw, int) or raw < 1:
-            raise invalid(f"max_tokens: expected an integer ≥ 1, got {raw!r}")
-        max_tokens = raw
-    stop = body.get("stop_sequences") or []
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise invalid("stop_sequences: expected a list of non-empty strings")
+        if body.get("max_tokens") is None:
+            raise invalid("max_tokens: Field required", param="max_tokens")
+        max_tokens = checked_max_tokens(body["max_tokens"], "max_tokens")
     top_k = body.get("top_k") or 0
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-        raise invalid(f"top_k: expected a non-negative integer, got {top_k!r}")
-    # Not in the Messages API: a Gyre extension (the built-in agent sends one per call) that makes the
-    # engine's sampling reproducible, as OpenAI's `seed` does on the other endpoint.
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
-        raise invalid(f"seed: expected an integer in [0, 2^63), got {seed!r}")
+        raise invalid(f"top_k: expected a non-negative integer, got {top_k!r}", param="top_k")
     sampling = SamplingRequest(
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
+        temperature=checked_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=checked_number(body, "top_p", 1.0, 1e-9, 1.0),
         top_k=top_k,
-        seed=seed,
-        stop=tuple(stop),
+        # Not in the Messages API: a Gyre extension (the built-in agent sends one per call) that makes the
+        # engine's sampling reproducible, as OpenAI's `seed` does on the other endpoint.
+        seed=checked_seed(body.get("seed")),
+        stop=checked_stop(body.get("stop_sequences"), "stop_sequences"),
         forced_tools=_forced_tools(body.get("tool_choice"), conversation),
     )
     return ParsedRequest(model=model, conversation=conversation, sampling=sampling, stream=bool(body.get("stream")))
@@ -257,17 +179,14 @@ def _forced_tools(choice: Any, conversation: Conversation) -> tuple[str, ...]:
         return ()
     match choice.get("type"):
         case "any":
-            if not names:
-                raise invalid("tool_choice: 'any' needs at least one tool")
-            return names
+            return all_tools(names, "tool_choice", "any")
         case "tool":
-            if choice.get("name") not in names:
-                raise invalid(f"tool_choice.name: expected one of {list(names)}, got {choice.get('name')!r}")
-            return (choice["name"],)
+            return one_tool(choice.get("name"), names, "tool_choice.name")
         case "auto" | "none" | None:
             return ()
         case other:
-            raise invalid(f"tool_choice.type: expected 'auto', 'any', 'tool' or 'none', got {other!r}")
+            raise invalid(f"tool_choice.type: expected 'auto', 'any', 'tool' or 'none', got {other!r}",
+                          param="tool_choice")
 
 
 # ---- responses ----
@@ -325,7 +244,7 @@ def sse_events(c: Completion) -> Iterator[bytes]:
         if block["type"] == "text":
             yield _sse("content_block_start", {"type": "content_block_start", "index": index,
                                                "content_block": {"type": "text", "text": ""}})
-            for piece in _chunks(block["text"]):
+            for piece in chunks(block["text"]):
                 yield _sse("content_block_delta", {"type": "content_block_delta", "index": index,
                                                    "delta": {"type": "text_delta", "text": piece}})
         else:
@@ -341,9 +260,29 @@ def sse_events(c: Completion) -> Iterator[bytes]:
     yield _sse("message_stop", {"type": "message_stop"})
 
 
-def _chunks(text: str, size: int = 64) -> list[str]:
-    return [text[i : i + size] for i in range(0, len(text), size)] or [""]
-
-
 def _sse(event: str, data: dict[str, Any]) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+class AnthropicAdapter:
+    """The Messages API (`/v1/messages`) as an `ApiAdapter`."""
+
+    api: HttpApi = "anthropic"
+
+    def parse(self, body: Any) -> ParsedRequest:
+        return parse_request(body)
+
+    def response(self, result: Completion, body: Any, *, created: int) -> dict[str, Any]:
+        return message(result)
+
+    def response_headers(self, result: Completion) -> dict[str, str]:
+        return {"request-id": f"req_{result.call_id}"}
+
+    def stream(self, result: Completion, body: Any, *, created: int) -> Iterator[bytes]:
+        return sse_events(result)
+
+    def error_body(self, exc: ApiError) -> dict[str, Any]:
+        return exc.anthropic_body()
+
+
+ANTHROPIC = AnthropicAdapter()

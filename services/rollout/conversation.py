@@ -16,7 +16,6 @@ from pydantic import BaseModel, ConfigDict
 from shared.chat import MessageRole, ToolCall, template_tool, template_tool_call
 
 
-
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 

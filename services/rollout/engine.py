@@ -1,6 +1,5 @@
-"""The generation engine port and its vLLM implementation (V1 AsyncLLM: continuous batching, prefix caching).
-
-The worker talks only to `Engine`; tests may use a fake, the worker shell uses `VllmEngine`.
+"""The vLLM implementation of the engine port (`engine_port.Engine`): V1 AsyncLLM, continuous batching, prefix
+caching, KV moved between workers through Gyre's connector. Only the worker service imports it.
 """
 
 from __future__ import annotations
@@ -11,47 +10,12 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any
 
+from services.rollout.engine_port import EngineError, EngineOutput
 from services.rollout.protocol import SamplingSpec
 
 RESET_ATTEMPTS = 50  # tries, 0.1 s apart, to drop the prefix cache after a weight swap
-
-
-class EngineError(Exception):
-    pass
-
-
-@dataclass(frozen=True)
-class EngineOutput:
-    token_ids: list[int]
-    logprobs: list[float]  # logprob of each generated token under the policy
-    finish_reason: Literal["stop", "length"]
-    stop_sequence: str | None  # the stop string that matched, if any
-    prompt_tokens: int
-    cached_tokens: int  # prompt tokens served from the prefix cache or loaded through the KV connector
-
-
-class Engine(Protocol):
-    max_model_len: int
-    block_size: int
-    kv_transfer: bool  # whether a KV connector is configured (migration by KV is possible)
-
-    async def generate(self, prompt: list[int], sampling: SamplingSpec, request_id: str) -> EngineOutput: ...
-
-    async def load_weights(self, state_dict: Mapping[str, Any]) -> None:
-        """Replace the weights in place and drop the prefix cache (it holds KV of the old policy)."""
-        ...
-
-    async def reset_prefix_cache(self) -> None: ...
-
-    def kv_bytes(self, prompt: list[int]) -> int:
-        """Bytes the connector stored for this prompt's saved KV (0 when nothing is stored)."""
-        ...
-
-    def drop_kv(self, prompt: list[int]) -> None: ...
-
-    async def close(self) -> None: ...
 
 
 @dataclass(frozen=True)

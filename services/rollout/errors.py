@@ -1,4 +1,5 @@
-"""Gateway errors: one exception type carrying an HTTP status, rendered in each API's own error shape."""
+"""Gateway errors: one exception type carrying an HTTP status, rendered in each API's own error shape, and which
+refusals are the infrastructure's rather than the request's (pure)."""
 
 from __future__ import annotations
 
@@ -68,3 +69,19 @@ class ApiError(Exception):
 
 def invalid(message: str, *, param: str | None = None) -> ApiError:
     return ApiError("invalid_request_error", message, param=param)
+
+
+class CallBudgetSpent(ApiError):
+    """The execution's call budget is spent: every call it was allowed has been answered."""
+
+    def __init__(self, answered: int, budget: int) -> None:
+        super().__init__("invalid_request_error",
+                         f"the execution's call budget is spent: {answered} of {budget} calls made")
+
+
+def is_infra_refusal(exc: ApiError) -> bool:
+    """A refusal that is the infrastructure's, not the request's own: no capacity (429) or a server-side failure."""
+    return exc.status == 429 or exc.status >= 500
+
+
+__all__ = ["ApiError", "CallBudgetSpent", "ErrorKind", "invalid", "is_infra_refusal"]

@@ -6,30 +6,34 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from services.rollout.anthropic_api import TOOL_NAME, Completion, ParsedRequest, SamplingRequest
-from services.rollout.conversation import ChatMessage, Conversation, ToolSpec, schema_problem
+from services.rollout.api_common import (
+    all_tools,
+    checked_max_tokens,
+    checked_model,
+    checked_number,
+    checked_seed,
+    checked_stop,
+    chunks,
+    content_text,
+    one_tool,
+    request_object,
+    tool_spec,
+)
+from services.rollout.api_types import (
+    Completion,
+    HttpApi,
+    ParsedRequest,
+    SamplingRequest,
+)
+from services.rollout.conversation import ChatMessage, Conversation, ToolSpec
+from services.rollout.errors import ApiError, invalid
 from shared.chat import ToolCall
-from services.rollout.errors import invalid
+
+_PLACEHOLDERS = ("image_url", "input_audio", "file")
 
 
 def _text(content: Any, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise invalid(f"{where}: expected a string or a list of content parts", param=where)
-    parts: list[str] = []
-    for i, part in enumerate(content):
-        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-            raise invalid(f"{where}[{i}]: expected a content part with a string 'type'", param=where)
-        if part["type"] == "text":
-            if not isinstance(part.get("text"), str):
-                raise invalid(f"{where}[{i}].text: expected a string", param=where)
-            parts.append(part["text"])
-        elif part["type"] in ("image_url", "input_audio", "file"):
-            parts.append(f"[{part['type']}]")
-    return "".join(parts)
+    return content_text(content, where, placeholders=_PLACEHOLDERS, item="{where}[{i}]")
 
 
 def _arguments(raw: Any) -> dict[str, Any]:
@@ -93,61 +97,28 @@ def parse_tools(tools: Any) -> tuple[ToolSpec, ...]:
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
             raise invalid(f"tools[{i}]: expected {{\"type\": \"function\", \"function\": {{...}}}}", param="tools")
-        name = fn.get("name")
-        if not isinstance(name, str) or not TOOL_NAME.match(name):
-            raise invalid(f"tools[{i}].function.name: expected a string matching {TOOL_NAME.pattern}, got {name!r}",
-                          param=f"tools[{i}].function.name")
-        params = fn.get("parameters", {"type": "object", "properties": {}})
-        if not isinstance(params, dict) or params.get("type", "object") != "object":
-            raise invalid(f"tools[{i}].function.parameters: expected a JSON Schema object with type 'object'",
-                          param=f"tools[{i}].function.parameters")
-        if problem := schema_problem(params):
-            raise invalid(f"tools[{i}].function.parameters.{problem}", param=f"tools[{i}].function.parameters")
-        description = fn.get("description") or ""
-        if not isinstance(description, str):
-            raise invalid(f"tools[{i}].function.description: expected a string", param=f"tools[{i}].function.description")
-        specs.append(ToolSpec(name=name, description=description, parameters=params))
+        specs.append(tool_spec(fn.get("name"), fn.get("description"),
+                               fn.get("parameters", {"type": "object", "properties": {}}),
+                               where=f"tools[{i}].function", schema_field="parameters", type_optional=True))
     return tuple(specs)
 
 
-def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise invalid(f"{name}: expected a number in [{low}, {high}], got {value!r}", param=name)
-    return float(value)
-
-
 def parse_request(body: Any) -> ParsedRequest:
-    if not isinstance(body, dict):
-        raise invalid("request body: expected a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise invalid("model: missing required parameter", param="model")
+    body = request_object(body)
+    model = checked_model(body)
     conversation = Conversation(messages=parse_messages(body.get("messages")), tools=parse_tools(body.get("tools")))
     if body.get("tool_choice") == "none":
         conversation = Conversation(messages=conversation.messages)
-    raw = body.get("max_completion_tokens", body.get("max_tokens"))
-    if raw is not None and (isinstance(raw, bool) or not isinstance(raw, int) or raw < 1):
-        raise invalid(f"max_tokens: expected an integer ≥ 1, got {raw!r}", param="max_tokens")
+    max_tokens = checked_max_tokens(body.get("max_completion_tokens", body.get("max_tokens")), "max_tokens")
     n = body.get("n", 1)
     if n != 1:
         raise invalid(f"n: only n=1 is supported, got {n!r}", param="n")
-    stop = body.get("stop") or []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise invalid("stop: expected a string or an array of strings", param="stop")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise invalid(f"seed: expected an integer, got {seed!r}", param="seed")
     sampling = SamplingRequest(
-        max_tokens=raw,
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
-        seed=seed,
-        stop=tuple(stop),
+        max_tokens=max_tokens,
+        temperature=checked_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=checked_number(body, "top_p", 1.0, 1e-9, 1.0),
+        seed=checked_seed(body.get("seed")),
+        stop=checked_stop(body.get("stop"), "stop", single_string=True),
         forced_tools=_forced_tools(body.get("tool_choice"), conversation),
     )
     return ParsedRequest(model=model, conversation=conversation, sampling=sampling, stream=bool(body.get("stream")))
@@ -156,16 +127,10 @@ def parse_request(body: Any) -> ParsedRequest:
 def _forced_tools(choice: Any, conversation: Conversation) -> tuple[str, ...]:
     names = tuple(t.name for t in conversation.tools)
     if choice == "required":
-        if not names:
-            raise invalid("tool_choice: 'required' needs at least one tool", param="tool_choice")
-        return names
+        return all_tools(names, "tool_choice", "required")
     if isinstance(choice, dict):
         fn = choice.get("function")
-        name = fn.get("name") if isinstance(fn, dict) else None
-        if name not in names:
-            raise invalid(f"tool_choice.function.name: expected one of {list(names)}, got {name!r}",
-                          param="tool_choice")
-        return (name,)
+        return one_tool(fn.get("name") if isinstance(fn, dict) else None, names, "tool_choice.function.name")
     if choice not in (None, "auto", "none"):
         raise invalid(f"tool_choice: expected 'none', 'auto', 'required' or a function, got {choice!r}",
                       param="tool_choice")
@@ -248,8 +213,8 @@ def sse_chunks(c: Completion, *, created: int, include_usage: bool) -> Iterator[
 
     yield chunk({"role": "assistant", "content": ""})
     if c.reply.content:
-        for i in range(0, len(c.reply.content), 64):
-            yield chunk({"content": c.reply.content[i : i + 64]})
+        for piece in chunks(c.reply.content):
+            yield chunk({"content": piece})
     for index, call in enumerate(_tool_calls(c)):
         yield chunk({"tool_calls": [{"index": index} | call]})
     yield chunk({}, finish_reason(c))
@@ -260,3 +225,27 @@ def sse_chunks(c: Completion, *, created: int, include_usage: bool) -> Iterator[
 
 def _data(body: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(body, separators=(',', ':'))}\n\n".encode()
+
+
+class OpenAIAdapter:
+    """Chat Completions (`/v1/chat/completions`) as an `ApiAdapter`."""
+
+    api: HttpApi = "openai"
+
+    def parse(self, body: Any) -> ParsedRequest:
+        return parse_request(body)
+
+    def response(self, result: Completion, body: Any, *, created: int) -> dict[str, Any]:
+        return completion(result, created=created, logprobs=wants_logprobs(body))
+
+    def response_headers(self, result: Completion) -> dict[str, str]:
+        return {}
+
+    def stream(self, result: Completion, body: Any, *, created: int) -> Iterator[bytes]:
+        return sse_chunks(result, created=created, include_usage=wants_usage_chunk(body))
+
+    def error_body(self, exc: ApiError) -> dict[str, Any]:
+        return exc.openai_body()
+
+
+OPENAI = OpenAIAdapter()

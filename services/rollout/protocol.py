@@ -134,9 +134,14 @@ class MigrationResult(_Frozen):
 
 
 class DrainReply(_Frozen):
+    """How a drain ended: sessions moved, sessions parked (no active worker to take them) and sessions whose
+    move failed; the last two stay on the draining worker. `ok` when every session moved."""
+
     ok: bool
     detail: str = ""
     migrated: list[MigrationResult] = Field(default_factory=list)
+    parked: list[str] = Field(default_factory=list)  # "<execution>/<chain>: why"
+    failed: list[str] = Field(default_factory=list)  # "<execution>/<chain>: the error"
     seconds: float = 0.0
 
 

@@ -1,10 +1,12 @@
-"""The router: sticky routing of executions to workers, least-loaded placement, rerouting on drain, and the
-token deltas sent to each worker (it mirrors the history each worker holds for each session).
+"""The router: sticky routing of executions to workers, rerouting on drain, moves and unreachable workers, and the
+token deltas sent to each worker (it mirrors the history each worker holds for each session). Where a new
+session goes and how much of a prompt is sent are the rules of `routing.py`; this is the loop around them.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -18,6 +20,7 @@ from services.rollout.protocol import (
     TokenPayload,
     tokens_digest,
 )
+from services.rollout.routing import SessionMirror, choose_worker
 from shared.logging import get_logger
 from shared.worker_status import WorkerStatus
 
@@ -70,31 +73,6 @@ class WorkerDirectory:
         return [s for s in self.live() if s.worker_id != exclude]
 
 
-def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if diff.size else n
-
-
-@dataclass
-class _Mirror:
-    """What a worker holds of a session: the last prompt sent (the caller's array, not copied: prompts grow to a
-    million ids and the gateway's are read-only views) followed by the completion it generated."""
-
-    worker_id: str
-    prompt: np.ndarray
-    completion: np.ndarray
-
-    def shared_with(self, prompt: np.ndarray) -> int:
-        """How many leading ids `prompt` shares with the history."""
-        shared = common_prefix_len(self.prompt, prompt)
-        if shared < len(self.prompt):
-            return shared
-        return shared + common_prefix_len(self.completion, prompt[shared:])
-
-
 class Router:
     def __init__(
         self,
@@ -110,35 +88,25 @@ class Router:
         self.retry_after_s = retry_after_s
         self.placement: dict[str, str] = {}  # execution_id -> worker_id (sticky)
         self.preferred: dict[str, str] = {}  # execution_id -> the cell the scheduler placed it on
-        self._mirrors: dict[tuple[str, str], _Mirror] = {}
+        self._mirrors: dict[tuple[str, str], SessionMirror] = {}
         self.log = get_logger(component="router")
-
-    def _load(self, status: WorkerStatus) -> tuple[float, int, str]:
-        placed = sum(1 for w in self.placement.values() if w == status.worker_id)
-        # Heartbeats lag; count the sessions this router placed since, too.
-        sessions = max(status.live_sessions, placed)
-        return (sessions / status.capacity, status.in_flight, status.worker_id)
 
     def prefer(self, execution_id: str, cell_id: str) -> None:
         """The scheduler placed this execution on `cell_id`: its first placement goes there if it can."""
         self.preferred[execution_id] = cell_id
 
     def place(self, execution_id: str, *, exclude: set[str] | None = None) -> str:
-        """The worker of the cell the scheduler placed the execution on, when it is active with room (the
-        scheduler's snapshot counts the session there); else the least-loaded active worker with room for one
-        more session; NoCapacity when there is none."""
-        exclude = exclude or set()
-        options = [
-            s
-            for s in self.directory.live()
-            if s.state == "active" and s.worker_id not in exclude and self._load(s)[0] * s.capacity < s.capacity
-        ]
-        if not options:
-            raise NoCapacity(self.retry_after_s, f"{len(self.directory.live())} live workers, none with room")
-        cell = self.preferred.pop(execution_id, None)
-        chosen = next((s.worker_id for s in options if s.cell_id == cell), None) or min(options, key=self._load).worker_id
-        self.placement[execution_id] = chosen
-        return chosen
+        """The worker of the cell the scheduler placed the execution on, when it is active with room; else the
+        least-loaded active worker with room (`routing.choose_worker`); NoCapacity when there is none. Heartbeats
+        lag, so the sessions this router placed count too."""
+        live = self.directory.live()
+        chosen = choose_worker(live, placed=Counter(self.placement.values()), exclude=exclude or set(),
+                               preferred_cell=self.preferred.get(execution_id))
+        if chosen is None:
+            raise NoCapacity(self.retry_after_s, f"{len(live)} live workers, none with room")
+        self.preferred.pop(execution_id, None)  # a preference is used once: a later placement goes least loaded
+        self.placement[execution_id] = chosen.worker_id
+        return chosen.worker_id
 
     def worker_of(self, execution_id: str) -> str | None:
         return self.placement.get(execution_id)
@@ -178,11 +146,7 @@ class Router:
             if worker_id is None or worker_id in excluded:
                 worker_id = self.place(execution_id, exclude=excluded)
             mirror = self._mirrors.get(key)
-            base = 0
-            if mirror is not None and mirror.worker_id == worker_id:
-                base = mirror.shared_with(prompt)
-                if base == len(prompt):
-                    base -= 1  # the engine needs at least one new token to compute
+            base = mirror.delta_base(prompt) if mirror is not None and mirror.worker_id == worker_id else 0
             request = GenerateRequest(
                 request_id=request_id,
                 execution_id=execution_id,
@@ -203,7 +167,7 @@ class Router:
                 continue
             match reply.status:
                 case "ok":
-                    self._mirrors[key] = _Mirror(worker_id, prompt, np.asarray(reply.completion, dtype=np.int32))
+                    self._mirrors[key] = SessionMirror(worker_id, prompt, np.asarray(reply.completion, dtype=np.int32))
                     return reply
                 case "moved":
                     assert reply.moved_to is not None

@@ -1,4 +1,6 @@
-"""Process entry points of the rollout service: a worker process per rollout cell, and the gateway process.
+"""Process entry points of the rollout service: a worker process per rollout cell (loads published weights and
+says so with `weights.loaded`, at start-up too; carries out drains, reporting each as `cell.drained`, and ordered
+moves), and the gateway process (takes executions up from `execution.started`, ends them on their end).
 
 `main(["worker"])` / `main(["gateway"])` (what `python -m services.rollout` calls); settings come from
 `GYRE_…` (shared) and `GYRE_ROLLOUT_…` (below).
@@ -16,12 +18,17 @@ from typing import Any
 
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from services.rollout.protocol import DrainRequest
 from services.rollout.router import Router, WorkerDirectory
 from shared.effects import Effects
 from shared.events import (
+    CellDrained,
     CellDraining,
     Event,
     EventData,
+    ExecutionFinished,
+    ExecutionStarted,
+    ExecutionTimedOut,
     KvMigrationOrdered,
     WeightsLoaded,
     WeightsPublished,
@@ -31,6 +38,11 @@ from shared.logging import configure_logging
 from shared.runtime import Service
 from shared.settings import Settings, load_settings
 
+DRAIN_DETAIL_CHARS = 2000  # a drain's detail as `cell.drained` keeps it (one line per session left behind)
+
+
+class TokenSecretMissing(RuntimeError):
+    """The gateway was started without the run's execution-token secret."""
 
 
 class RolloutSettings(BaseSettings):
@@ -49,8 +61,8 @@ class RolloutSettings(BaseSettings):
     port: int = 8400
     uds: str | None = None  # also serve on this Unix socket (sandboxes reach the gateway through it)
     model_name: str = "gyre-tiny"
-    token_secret: str = ""  # enables derived execution tokens (services.rollout.credentials.derive_token)
-    admin_token: str | None = None  # protects /internal/executions
+    # The run's execution-token secret (shared.execution_tokens), shared with the harness: required by the gateway.
+    token_secret: str = ""
     max_body_bytes: int = 32 * 1024 * 1024
 
 
@@ -67,7 +79,11 @@ class RolloutWorkerService(Service):
         self.process_started_at = datetime.now(UTC)
 
     async def setup(self) -> None:
-        from services.rollout.engine import VllmConfig, VllmEngine, prepare_cpu_environment
+        from services.rollout.engine import (
+            VllmConfig,
+            VllmEngine,
+            prepare_cpu_environment,
+        )
         from services.rollout.transport import NatsPeers, WorkerServer, watch_statuses
         from services.rollout.worker import RolloutWorker
 
@@ -96,9 +112,19 @@ class RolloutWorkerService(Service):
             await self._load(latest[-1].event)
         self.log.info("engine_warmed_up", seconds=round(await self.engine.warm_up(), 3))
         self.server = await WorkerServer(self.worker, self.bus, heartbeat_s=r.heartbeat_s).start()
+        # Serving now: the cell agent learns readiness and the version served from the log, not a heartbeat.
+        await self.record(self._weights_loaded())
         # Every worker must see every publication: one durable consumer per worker.
         self.on(["weights.published", "cell.draining", "kv.migration_ordered"], self.handle,
                 durable=f"rollout-worker-{self.worker.worker_id}")
+
+    def _weights_loaded(self, cause: Event | None = None) -> Effects:
+        w = self.worker
+        loaded = WeightsLoaded(cell_id=w.cell_id, worker_id=w.worker_id, version=w.policy_version)
+        effects = Effects()
+        effects.append([self.event(loaded, stream_id=stream_id_for("cell", w.cell_id), cause=cause)],
+                       expected_version="any")
+        return effects
 
     async def _emit_data(self, data: list[EventData] | Any) -> None:
         await self.emit([self.event(d, stream_id=stream_id_for("cell", self.worker.cell_id)) for d in data])
@@ -136,23 +162,36 @@ class RolloutWorkerService(Service):
         assert isinstance(data, KvMigrationOrdered) and self.worker is not None
         return data.from_cell == self.worker.cell_id
 
-    async def handle(self, event: Event) -> Effects:
-        effects = Effects()
+    async def handle(self, event: Event) -> Effects | None:
         if isinstance(event.data, KvMigrationOrdered):
             if self._orders_me(event):
                 # Spawned: a move waits for the session's in-flight call, which must not hold up the consumer.
                 self.spawn(self.worker.move_execution(event.data.execution_id, event.data.to_cell), name="move")
         elif isinstance(event.data, WeightsPublished):
             await self._load(event)
-            w = self.worker
-            loaded = WeightsLoaded(cell_id=w.cell_id, worker_id=w.worker_id, version=w.policy_version)
-            effects.append([self.event(loaded, stream_id=stream_id_for("cell", w.cell_id), cause=event)],
-                           expected_version="any")
+            return self._weights_loaded(cause=event)
         elif isinstance(event.data, CellDraining) and self._drains_me(event):
-            from services.rollout.protocol import DrainRequest
+            # Spawned: a drain waits for in-flight calls and moves every session, far longer than a handler.
+            self.spawn(self.drain(event), name="drain")
+        return None
 
-            self.spawn(self.worker.drain(DrainRequest()), name="drain")
-        return effects
+    async def drain(self, order: Event) -> CellDrained:
+        """Carry out a drain order (`cell.draining`) and report its end as `cell.drained`, caused by the order
+        and appended after every `kv.migrated` of the drain (each is appended as its session moves)."""
+        w = self.worker
+        reply = await w.drain(DrainRequest())
+        drained = CellDrained(
+            cell_id=w.cell_id,
+            worker_id=w.worker_id,
+            migrated_sessions=len(reply.migrated),
+            parked_sessions=len(reply.parked) + len(reply.failed),
+            seconds=max(0.0, reply.seconds),
+            detail=reply.detail[:DRAIN_DETAIL_CHARS],
+        )
+        self.log.info("cell_drained", migrated=drained.migrated_sessions, parked=len(reply.parked),
+                      failed=len(reply.failed), seconds=round(drained.seconds, 3))
+        await self.emit([self.event(drained, stream_id=stream_id_for("cell", w.cell_id), cause=order)])
+        return drained
 
     def health(self) -> dict[str, Any]:
         return {} if self.worker is None else {"worker": self.worker.status().model_dump()}
@@ -172,6 +211,10 @@ class RolloutGatewayService(Service):
     def __init__(self, settings: Settings | None = None, rollout: RolloutSettings | None = None) -> None:
         super().__init__(settings)
         self.rollout = rollout or RolloutSettings()
+        if not self.rollout.token_secret:
+            raise TokenSecretMissing(
+                "GYRE_ROLLOUT_TOKEN_SECRET must be set: the gateway recognises an execution by the token the "
+                "harness derives from this secret (shared.execution_tokens); `gyre run` makes one per run")
         self.core: Any = None
         self._servers: list[Any] = []
         self._watch: Any = None
@@ -180,31 +223,27 @@ class RolloutGatewayService(Service):
         import uvicorn
 
         from services.rollout.codec import TokenizerCodec
-        from services.rollout.credentials import ExecutionRegistry
-        from services.rollout.gateway import GatewayCore, create_app
-        from services.rollout.recording import StoreCallRecorder
+        from services.rollout.credentials import TokenVerifier
+        from services.rollout.gateway import create_app
+        from services.rollout.gateway_core import GatewayCore
+        from services.rollout.recorder_postgres import PostgresCallRecorder
         from services.rollout.transport import NatsWorkerClient, watch_statuses
 
         assert self.bus is not None and self.store is not None
         if self.settings.model_dir is None:
             raise RuntimeError("GYRE_MODEL_DIR must name the served model (its tokenizer and chat template)")
         r = self.rollout
-        if not r.admin_token:
-            self.log.warning("gateway_internal_api_open",
-                             detail="no GYRE_ROLLOUT_ADMIN_TOKEN: anything that reaches the gateway, an agent in a "
-                                    "sandbox included, can register, re-register (lifting a call budget) and end "
-                                    "executions")
         directory = WorkerDirectory()
         self._watch = await watch_statuses(self.bus, directory)
-        self.registry = ExecutionRegistry(secret=r.token_secret.encode() or None)
         self.core = GatewayCore(
             codec=TokenizerCodec.from_model_dir(self.settings.model_dir),
             router=Router(directory, NatsWorkerClient(self.bus)),
-            recorder=StoreCallRecorder(self.store, run_id=self.settings.run_id),
+            recorder=PostgresCallRecorder(self.store, run_id=self.settings.run_id),
+            tokens=TokenVerifier(r.token_secret.encode()),
             max_model_len=r.max_model_len,
             model_name=r.model_name,
         )
-        app = create_app(self.core, self.registry, max_body_bytes=r.max_body_bytes, admin_token=r.admin_token)
+        app = create_app(self.core, max_body_bytes=r.max_body_bytes)
         configs = [uvicorn.Config(app, host=r.host, port=r.port, log_level="warning", lifespan="off")]
         if r.uds:
             configs.append(uvicorn.Config(app, uds=r.uds, log_level="warning", lifespan="off"))
@@ -214,14 +253,19 @@ class RolloutGatewayService(Service):
             server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
             self._servers.append(server)
             self.spawn(server.serve(), name="http")
-        self.on(["execution.finished", "execution.timed_out"], self.handle)
+        self.on(["execution.started", "execution.finished", "execution.timed_out"], self.handle)
 
     async def handle(self, event: Event) -> None:
-        execution_id = getattr(event.data, "execution_id", None)
-        if execution_id is None:
+        """An execution's start is taken up (its log read, its cell preferred) before its first call; its end
+        revokes its token and ends its sessions wherever they may be."""
+        data = event.data
+        if isinstance(data, ExecutionStarted):
+            self.core.take_up(data)
             return
+        if not isinstance(data, ExecutionFinished | ExecutionTimedOut):
+            return
+        execution_id = data.execution_id
         workers = self.core.router.holders(execution_id)  # a drain may have moved its sessions on
-        self.registry.revoke(execution_id)
         self.core.end_execution(execution_id)
         from services.rollout.transport import NatsWorkerClient
 

@@ -30,7 +30,12 @@ from services.rollout.router import WorkerDirectory, WorkerUnreachable
 from services.rollout.worker import RolloutWorker
 from shared.bus import Bus
 from shared.logging import get_logger
-from shared.worker_status import WorkerStatus, ended_subject, status_subject, worker_subject
+from shared.worker_status import (
+    WorkerStatus,
+    ended_subject,
+    status_subject,
+    worker_subject,
+)
 
 INLINE_LIMIT = 512 * 1024  # packed bytes; NATS's default max_payload is 1 MiB and base64 adds a third
 GENERATE_TIMEOUT_S = 900.0
@@ -67,7 +72,7 @@ def _reply_or_error(data: bytes) -> dict[str, Any]:
     body = json.loads(data)
     if isinstance(body, dict) and set(body) == {"error"}:
         raise RuntimeError(f"worker failed: {body['error']}")
-    return body  # type: ignore[no-any-return]
+    return body
 
 
 class NatsWorkerClient:

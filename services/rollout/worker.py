@@ -1,7 +1,10 @@
 """The rollout worker: one per rollout cell, wrapping an engine; keeps each live session's token history,
 serves token-delta generation, reloads weights in place, and drains by migrating sessions to other workers.
 
-`RolloutWorker` holds the logic over the `Engine` and `WorkerPeers` ports; `serve_worker` is the NATS shell.
+`RolloutWorker` holds the logic over the `Engine` (engine_port.py) and `WorkerPeers` ports; `transport.py` is its
+NATS shell. One cohesive thing past ~450 lines: generation, weight swaps, adoption, drains and ordered moves all
+act on the same sessions under the same per-session locks and the same engine gate; the rules they apply are
+pure modules (`routing.py` for targets, `kv_handoff.py` for what KV moves).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from services.rollout.engine import Engine, EngineOutput
+from services.rollout.engine_port import Engine, EngineOutput
 from services.rollout.kv_handoff import KV_LOAD_PREFIX, KV_SAVE_PREFIX, kv_prompt
 from services.rollout.protocol import (
     AdoptReply,
@@ -29,6 +32,7 @@ from services.rollout.protocol import (
     TokenPayload,
     tokens_digest,
 )
+from services.rollout.routing import migration_target
 from shared.events import EventData, KvMigrated, KvMigrationRefused
 from shared.logging import get_logger
 from shared.worker_status import WorkerState, WorkerStatus
@@ -52,6 +56,10 @@ class WorkerPeers(Protocol):
 
 class PolicyChanged(Exception):
     """The worker serves another policy version than the one a request's KV was computed under."""
+
+
+class NoActivePeer(Exception):
+    """No other active worker is there to take a session: it stays here (parked), which is no failure of a move."""
 
 
 @dataclass
@@ -272,30 +280,42 @@ class RolloutWorker:
         return AdoptReply(ok=True, cached_tokens=cached, seconds=time.perf_counter() - started)
 
     async def drain(self, request: DrainRequest) -> DrainReply:
-        """Stop taking new sessions and move every live session to other workers (KV, else recompute)."""
+        """Stop taking new sessions and move every live session to other workers (KV, else recompute).
+
+        A session no active worker can take stays here, parked (`DrainReply.parked`); one whose move failed
+        stays too (`failed`). Either leaves the worker draining rather than drained."""
         started = time.perf_counter()
         self.state = "draining"
         self._on_change()
         results: list[MigrationResult] = []
-        failures: list[str] = []
+        parked: list[str] = []
+        failed: list[str] = []
         for key in sorted(self.sessions):
             session = self.sessions.get(key)
             if session is None:
                 continue
             try:
                 result = await self._migrate(session, request)
+            except NoActivePeer as exc:
+                self.log.warning("session_parked", execution_id=key[0], chain_id=key[1], reason=str(exc))
+                parked.append(f"{key[0]}/{key[1]}: {exc}")
+                continue
             except Exception as exc:  # keep draining the others; report what failed
                 self.log.exception("migration_failed", execution_id=key[0], chain_id=key[1])
-                failures.append(f"{key[0]}/{key[1]}: {type(exc).__name__}: {exc}")
+                failed.append(f"{key[0]}/{key[1]}: {type(exc).__name__}: {exc}")
                 continue
             if result is not None:
                 results.append(result)
-        self.state = "drained" if not failures else "draining"
+        self.state = "drained" if not (parked or failed) else "draining"
         self._on_change()
+        detail = "; ".join([*(["parked (no active worker takes them): " + ", ".join(parked)] if parked else []),
+                            *(["moves failed: " + ", ".join(failed)] if failed else [])])
         return DrainReply(
-            ok=not failures,
-            detail="; ".join(failures),
+            ok=not (parked or failed),
+            detail=detail,
             migrated=results,
+            parked=parked,
+            failed=failed,
             seconds=time.perf_counter() - started,
         )
 
@@ -341,21 +361,13 @@ class RolloutWorker:
     def _pick_target(
         self, execution_id: str, preferred: Sequence[str], refused: set[str], *, only_preferred: bool = False
     ) -> WorkerStatus:
-        if self.peers is None:
-            raise RuntimeError("worker has no peers to migrate to")
-        candidates = [c for c in self.peers.candidates(exclude=self.worker_id)
-                      if c.state == "active" and c.worker_id not in refused
-                      and (not only_preferred or c.worker_id in preferred)]
-        if not candidates:
+        peers = [] if self.peers is None else self.peers.candidates(exclude=self.worker_id)
+        target = migration_target(peers, preferred=preferred, refused=refused, only_preferred=only_preferred,
+                                  follow=self.moved.get(execution_id))
+        if target is None:
             refusals = f"; refused by {sorted(refused)}" if refused else ""
-            raise RuntimeError(f"no active worker to migrate to{refusals}")
-        # Keep an execution's chains together: follow where its first chain went.
-        if execution_id in self.moved:
-            for c in candidates:
-                if c.worker_id == self.moved[execution_id]:
-                    return c
-        ordered = [c for c in candidates if c.worker_id in preferred] or candidates
-        return min(ordered, key=lambda c: (c.live_sessions / c.capacity, c.in_flight, c.worker_id))
+            raise NoActivePeer(f"no active worker to migrate to{refusals}")
+        return target
 
     async def _hand_over(
         self, session: Session, target: WorkerStatus, request: DrainRequest

@@ -106,13 +106,13 @@ def test_each_run_gets_its_own_block_of_cell_ports(tmp_path: Path) -> None:
             s.bind(("127.0.0.1", port))
 
 
-def test_the_gateway_and_harness_share_a_fresh_admin_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Sandboxed agents reach the gateway through a route that carries any path: its internal API (register,
-    end executions) must answer only the harness, so every run gets an admin token both share."""
+def test_the_gateway_and_harness_share_a_fresh_token_secret(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The harness derives each execution's token and the gateway recognises it with the same secret, with no
+    call between them: every run gets a fresh secret both read."""
     from services.harness.service import HarnessSettings
 
-    monkeypatch.delenv("GYRE_ROLLOUT_ADMIN_TOKEN", raising=False)
     monkeypatch.delenv("GYRE_ROLLOUT_TOKEN_SECRET", raising=False)
+    monkeypatch.delenv("GYRE_HARNESS_GATEWAY_TOKEN_SECRET", raising=False)
 
     def env() -> dict[str, str]:
         return launcher.loop_environment(
@@ -121,14 +121,12 @@ def test_the_gateway_and_harness_share_a_fresh_admin_token(tmp_path: Path, monke
         )
 
     first, second = env(), env()
-    assert len(first["GYRE_ROLLOUT_ADMIN_TOKEN"]) >= 32
-    assert first["GYRE_HARNESS_GATEWAY_ADMIN_TOKEN"] == first["GYRE_ROLLOUT_ADMIN_TOKEN"]
-    assert second["GYRE_ROLLOUT_ADMIN_TOKEN"] != first["GYRE_ROLLOUT_ADMIN_TOKEN"]
-    assert len(first["GYRE_ROLLOUT_TOKEN_SECRET"]) >= 32  # execution tokens survive a gateway restart
-    # A harness started by hand next to a gateway takes the gateway's token when it is not given its own.
-    monkeypatch.delenv("GYRE_HARNESS_GATEWAY_ADMIN_TOKEN", raising=False)
-    monkeypatch.setenv("GYRE_ROLLOUT_ADMIN_TOKEN", "t" * 32)
-    assert HarnessSettings().gateway_admin_token == "t" * 32
+    assert len(first["GYRE_ROLLOUT_TOKEN_SECRET"]) >= 32
+    assert second["GYRE_ROLLOUT_TOKEN_SECRET"] != first["GYRE_ROLLOUT_TOKEN_SECRET"]
+    assert "GYRE_ROLLOUT_ADMIN_TOKEN" not in first  # there is no internal API left to guard
+    # A harness started by hand next to a gateway takes the gateway's secret when it is not given its own.
+    monkeypatch.setenv("GYRE_ROLLOUT_TOKEN_SECRET", "t" * 32)
+    assert HarnessSettings().gateway_token_secret == "t" * 32
     assert HarnessSettings().gateway_url == "http://127.0.0.1:8400"
 
 

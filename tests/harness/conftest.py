@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from services.harness.sandbox import ProcessSandbox, SandboxSpec, available_backends
+from services.harness.process_sandbox import ProcessSandbox
+from services.harness.sandbox_spec import SandboxSpec
+from services.harness.sandboxes import available_backends
 
 REPO = Path(__file__).resolve().parents[2]
 TASKS = REPO / "tasks"

@@ -10,7 +10,7 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import uvicorn
@@ -20,6 +20,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from shared.calls import CALL_INDEX_HEADER
 
 Reply = dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
+# Told of every error the server answers a call with (request headers, status, error type, message) before the
+# client sees it, as the gateway writes each refusal to the execution's log first.
+RefusalHook = Callable[[dict[str, str], int, str, str], Awaitable[None]]
 
 
 def text(value: str, *, stop_reason: str = "end_turn", **usage: int) -> dict[str, Any]:
@@ -78,9 +81,11 @@ class ScriptedAnthropicServer:
     """Serves scripted replies on POST /v1/messages; `requests` holds what each call sent."""
 
     def __init__(
-        self, script: list[Reply], *, token: str | None = None, model: str = "scripted-model", call_index_header: bool = False
+        self, script: list[Reply], *, token: str | None = None, model: str = "scripted-model", call_index_header: bool = False,
+        on_refused: RefusalHook | None = None,
     ) -> None:
         self.script = list(script)
+        self.on_refused = on_refused
         # Like the gateway: every answered (or `lost`) call gets the next index, sent in CALL_INDEX_HEADER.
         self.call_index_header = call_index_header
         self.counted = 0
@@ -111,12 +116,14 @@ class ScriptedAnthropicServer:
             with self._lock:
                 self.requests.append(body)
                 self.headers.append(headers)
-                if not self.script:
-                    return JSONResponse(
-                        {"type": "error", "error": {"type": "invalid_request_error", "message": "script exhausted"}},
-                        status_code=400,
-                    )
-                step = self.script.pop(0)
+                step = self.script.pop(0) if self.script else None
+            if step is None:
+                if self.on_refused is not None:
+                    await self.on_refused(headers, 400, "invalid_request_error", "script exhausted")
+                return JSONResponse(
+                    {"type": "error", "error": {"type": "invalid_request_error", "message": "script exhausted"}},
+                    status_code=400,
+                )
             reply = step(body) if callable(step) else step
             if "delay_s" in reply:
                 await asyncio.sleep(float(reply["delay_s"]))
@@ -125,6 +132,8 @@ class ScriptedAnthropicServer:
                 self.counted += 1
             extra = {CALL_INDEX_HEADER: str(index)} if self.call_index_header else {}
             if "error_status" in reply:
+                if self.on_refused is not None:
+                    await self.on_refused(headers, int(reply["error_status"]), "api_error", "scripted failure")
                 return JSONResponse(
                     {"type": "error", "error": {"type": "api_error", "message": "scripted failure"}},
                     status_code=int(reply["error_status"]),

@@ -18,8 +18,9 @@ exit_code = int(sys.argv[sys.argv.index("--exit-after") + 1]) if "--exit-after" 
 # `--calls N`: ask N times (a turn each), as an agent working through several steps would.
 calls = int(sys.argv[sys.argv.index("--calls") + 1]) if "--calls" in sys.argv[2:] else 1
 messages = [{"role": "user", "content": sys.argv[1]}]
+reply = None
 for turn in range(calls):
-    if turn:
+    if reply is not None:
         messages += [{"role": "assistant", "content": reply.content}, {"role": "user", "content": "go on"}]
     request = {"model": os.environ["GYRE_MODEL"], "max_tokens": 64, "messages": messages}
     if stream:

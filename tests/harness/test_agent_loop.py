@@ -8,11 +8,13 @@ from typing import Any
 
 import pytest
 
-from services.harness.agent import AgentConfig, AgentLoop, Budget
-from services.harness.agent_core import SUB_AGENT_PROMPT, SUMMARY_PROMPT, Branch
-from services.harness.execution import AgentStopped, BuiltinHarness, run_execution
-from services.harness.external import GatewayAccess
-from services.harness.sandbox import ProcessSandbox, SandboxSpec
+from services.harness.agent import AgentLoop
+from services.harness.agent_core import SUB_AGENT_PROMPT, SUMMARY_PROMPT, AgentConfig, Branch, Budget
+from services.harness.execution import BuiltinHarness, run_execution
+from services.harness.external_harness import GatewayAccess
+from services.harness.outcomes import AgentStopped
+from services.harness.process_sandbox import ProcessSandbox
+from services.harness.sandbox_spec import SandboxSpec
 from services.harness.tasks import load_task
 
 from .scripted_server import ScriptedAnthropicServer, failure, lost, shell, slow, submit, text, tool

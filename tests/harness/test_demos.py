@@ -93,7 +93,7 @@ def test_written_jsonl_loads_with_the_sft_loader(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("family", demos.FAMILIES)
 def test_demonstrated_command_solves_a_fresh_instance_in_the_sandbox(family: str, tmp_path: Path) -> None:
-    from services.harness.sandbox import make_sandbox
+    from services.harness.sandboxes import make_sandbox
     from services.harness.taskrun import prepare, run_tests, sandbox_spec_for
 
     instance = demos.sample_instances(seed=7, count=1, families=[family])[0]
@@ -136,7 +136,7 @@ def test_bad_slip_settings_are_refused() -> None:
 @pytest.mark.parametrize("family", demos.FAMILIES)
 def test_slips_earn_less_than_full_credit_in_the_sandbox(family: str, tmp_path: Path) -> None:
     """A wrong command runs cleanly (the demo's `[exit code 0]` is true) and is graded below 1; a skip too."""
-    from services.harness.sandbox import make_sandbox
+    from services.harness.sandboxes import make_sandbox
     from services.harness.taskrun import prepare, run_tests, sandbox_spec_for
 
     base = demos.sample_instances(seed=5, count=1, families=[family])[0]

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from services.harness.docker_sandbox import DockerSandbox, docker_engine_available
-from services.harness.sandbox import SandboxLimits, SandboxSpec, SandboxUnavailableError, make_sandbox
+from services.harness.sandbox_spec import SandboxLimits, SandboxSpec, SandboxUnavailableError
+from services.harness.sandboxes import make_sandbox
 
 needs_docker = pytest.mark.skipif(not docker_engine_available(), reason="no Docker engine on this machine")
 

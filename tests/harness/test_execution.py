@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from services.harness.execution import grade_preserved
-from services.harness.sandbox import make_sandbox
+from services.harness.sandboxes import make_sandbox
 from services.harness.taskrun import TaskSetupError, prepare, sandbox_spec_for
 from services.harness.tasks import load_task
 

@@ -9,8 +9,10 @@ from typing import Any
 import pytest
 
 from services.harness.execution import run_execution
-from services.harness.external import ExternalHarness, GatewayAccess, claude_code, find_claude_code
-from services.harness.sandbox import ProcessSandbox, SandboxSpec
+from services.harness.external import find_claude_code
+from services.harness.external_harness import ExternalHarness, GatewayAccess, claude_code
+from services.harness.process_sandbox import ProcessSandbox
+from services.harness.sandbox_spec import SandboxSpec
 from services.harness.tasks import load_task
 
 from .conftest import TASKS
@@ -108,3 +110,12 @@ def test_claude_code_in_sandbox_runs_bash_and_is_graded(tmp_path: Path, best_bac
     assert result.external is not None and result.external.exit_code == 0, result.external
     assert any(h.get("authorization") == f"Bearer {TOKEN}" for h in server.headers)
     assert result.grade.score == 1.0
+
+
+def test_the_claude_code_preset_binds_an_absolute_install_folder_only(tmp_path: Path) -> None:
+    """The sandbox shows the install folder at the same path, so a relative one (read against whatever the
+    harness's working directory is) is refused by name."""
+    preset = claude_code(tmp_path, "tiny")
+    assert preset.ro_paths == (str(tmp_path),) and preset.command[0].startswith(str(tmp_path))
+    with pytest.raises(ValueError, match="expected an absolute Claude Code install folder"):
+        claude_code(Path(".cache/claude-code"), "tiny")

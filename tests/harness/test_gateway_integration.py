@@ -1,7 +1,11 @@
-"""The built-in loop against the real rollout gateway (HTTP, Anthropic API) over a scripted engine.
+"""The built-in loop and external harnesses against the real rollout gateway (HTTP, Anthropic API) over a
+scripted engine.
 
 The engine is the rollout tests' char-level fake, so the test is deterministic; the gateway, its token
-check, tool-call parsing and call recording are the real ones. The loop runs in a real sandbox.
+check, tool-call parsing and call recording are the real ones. The loop runs in a real sandbox. The harness
+and the gateway meet only as they do in a run: the token is derived from the secret both hold, the gateway
+takes an execution up from its `execution.started`, and the harness reads the gateway's account of an
+external agent's calls back from the execution's stream (here the recorder's in-memory log).
 """
 
 from __future__ import annotations
@@ -9,19 +13,24 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 import uvicorn
 
-from services.harness.agent import AgentConfig, AgentLoop, Budget
-from services.harness.agent_core import Branch
-from services.harness.execution import BuiltinHarness, GatewayStatus, run_execution
-from services.harness.external import GatewayAccess
-from services.harness.sandbox import ProcessSandbox, SandboxSpec
+from services.harness.agent import AgentLoop
+from services.harness.agent_core import AgentConfig, Branch, Budget
+from services.harness.call_account import CallAccount, call_account
+from services.harness.execution import BuiltinHarness, run_execution
+from services.harness.external_harness import GatewayAccess
+from services.harness.process_sandbox import ProcessSandbox
+from services.harness.sandbox_spec import SandboxSpec
 from services.harness.tasks import load_task
 from shared.chat import format_tool_call
+from shared.events import ExecutionStarted, new_event, stream_id_for
+from shared.execution_tokens import derive_execution_token
 from tests.rollout import fakes
 
 from .conftest import TASKS
@@ -50,6 +59,22 @@ def gateway_stack(script: Any) -> Any:
     return codec, fakes.build_stack([fakes.ScriptedEngine(codec, script, max_model_len=65536)], codec)
 
 
+def token_of(execution_id: str) -> str:
+    """The execution's token as the harness service derives it, from the secret the gateway holds too."""
+    return derive_execution_token(fakes.TOKEN_SECRET, execution_id)
+
+
+def announce(stack: Any, execution_id: str, *, seed: int, call_budget: int | None = None) -> None:
+    """What the harness service's `execution.started` does: the event on the execution's stream, taken up by the
+    gateway (whose first call of the execution settles seed and call budget from that log)."""
+    started = ExecutionStarted(execution_id=execution_id, query_id="q", task_id="create-file-1", group_size=1,
+                               sample_index=0, seed=seed, call_budget=call_budget)
+    stack.recorder.storage.add([new_event(started, run_id=stack.recorder.run_id, version=1,
+                                          stream_id=stream_id_for("execution", execution_id),
+                                          occurred_at=datetime.now(UTC))])
+    stack.core.take_up(started)
+
+
 class Sink:
     def __init__(self) -> None:
         self.branches: list[Branch] = []
@@ -76,7 +101,7 @@ def test_execution_through_the_gateway_is_graded_and_every_call_recorded(tmp_pat
 
     codec, stack = gateway_stack(script)
     codec_holder.append(codec)
-    token = stack.registry.register("execution-gw-1")
+    token = token_of("execution-gw-1")
     with Served(stack.app) as base_url:
         result = run_execution(
             execution_id="execution-gw-1",
@@ -98,7 +123,7 @@ def test_execution_through_the_gateway_is_graded_and_every_call_recorded(tmp_pat
 def test_retry_through_the_gateway_resends_the_same_prompt(box: ProcessSandbox) -> None:
     replies = iter(['<tool_call>\n{"name": "shell", "argum\n</tool_call>', format_tool_call("submit", {})])
     codec, stack = gateway_stack(lambda prompt: next(replies))
-    token = stack.registry.register("execution-gw-2")
+    token = token_of("execution-gw-2")
     sink = Sink()
     with Served(stack.app) as base_url:
         loop = AgentLoop.for_gateway(base_url, token, AgentConfig(model="tiny", sdk_max_retries=0), box, sink=sink)
@@ -119,7 +144,7 @@ def test_compaction_summary_call_is_accepted_by_the_gateway(box: ProcessSandbox)
         ]
     )
     codec, stack = gateway_stack(lambda prompt: next(replies))
-    token = stack.registry.register("execution-gw-3")
+    token = token_of("execution-gw-3")
     sink = Sink()
     with Served(stack.app) as base_url:
         loop = AgentLoop.for_gateway(base_url, token, AgentConfig(model="tiny", sdk_max_retries=0, compact_at_tokens=100), box, sink=sink)
@@ -135,7 +160,7 @@ def test_external_sdk_script_through_the_relay_is_recorded_and_graded(tmp_path: 
     from .test_external_harness import sdk_harness
 
     codec, stack = gateway_stack(lambda prompt: "hello world")
-    token = stack.registry.register("execution-gw-ext")
+    token = token_of("execution-gw-ext")
     with Served(stack.app) as base_url:
         result = run_execution(
             execution_id="execution-gw-ext",
@@ -155,7 +180,6 @@ def test_external_harness_with_a_wrong_token_is_refused_by_the_gateway(tmp_path:
     from .test_external_harness import sdk_harness
 
     codec, stack = gateway_stack(lambda prompt: "hello world")
-    stack.registry.register("execution-gw-good")
     with Served(stack.app) as base_url:
         result = run_execution(
             execution_id="execution-gw-bad",
@@ -172,7 +196,7 @@ def test_external_harness_with_a_wrong_token_is_refused_by_the_gateway(tmp_path:
 
 
 def test_claude_code_through_the_relay_to_the_real_gateway(tmp_path: Path, best_backend: str) -> None:
-    from services.harness.external import claude_code
+    from services.harness.external_harness import claude_code
 
     from .test_external_harness import claude_code_dir
 
@@ -190,7 +214,7 @@ def test_claude_code_through_the_relay_to_the_real_gateway(tmp_path: Path, best_
     codec = fakes.CharCodec()
     codec_holder.append(codec)
     stack = fakes.build_stack([fakes.ScriptedEngine(codec, script, max_model_len=1_000_000)], codec)
-    token = stack.registry.register("execution-gw-claude")
+    token = token_of("execution-gw-claude")
     with Served(stack.app) as base_url:
         result = run_execution(
             execution_id="execution-gw-claude",
@@ -205,11 +229,12 @@ def test_claude_code_through_the_relay_to_the_real_gateway(tmp_path: Path, best_
     assert len(stack.recorder.calls("execution-gw-claude")) >= 2
 
 
-class GatewayStatusObserver:
-    """Asks the gateway's execution-status API, as the harness service does after a non-zero exit."""
+class StreamAccountObserver:
+    """Folds the execution's stream into its call account when the external agent exits, as the harness service
+    does from the event store (here the gateway's recorder holds the log)."""
 
-    def __init__(self, base_url: str, execution_id: str) -> None:
-        self.url = f"{base_url}/internal/executions/{execution_id}"
+    def __init__(self, stack: Any, execution_id: str) -> None:
+        self.stack, self.stream = stack, stream_id_for("execution", execution_id)
         self.asked = 0
 
     def branched(self, branch: Branch) -> None:
@@ -218,11 +243,9 @@ class GatewayStatusObserver:
     def agent_stopped(self, stopped: Any) -> None:
         return None
 
-    def gateway_status(self) -> GatewayStatus | None:
-        import httpx
-
+    def call_account(self) -> CallAccount | None:
         self.asked += 1
-        return GatewayStatus.model_validate(httpx.get(self.url, timeout=10).json())
+        return call_account(e.data for e in self.stack.recorder.events if e.stream_id == self.stream)
 
 
 @pytest.mark.parametrize("refused", [True, False], ids=["gateway-failed-it", "its-own-exit"])
@@ -232,14 +255,14 @@ def test_an_external_harness_that_exits_after_the_gateway_failed_it_is_an_infras
     from .test_external_harness import sdk_harness
 
     codec, stack = gateway_stack(lambda prompt: "hello world")
-    token = stack.registry.register("execution-gw-500")
+    token = token_of("execution-gw-500")
     if refused:
         stack.recorder.fail_next = ConnectionError("postgres went away")  # the call cannot be recorded: 500
         harness = sdk_harness()
     else:  # the script is answered, then exits 3 on its own
         harness = sdk_harness("--exit-after", "3")
     with Served(stack.app) as base_url:
-        observer = GatewayStatusObserver(base_url, "execution-gw-500")
+        observer = StreamAccountObserver(stack, "execution-gw-500")
         result = run_execution(
             execution_id="execution-gw-500",
             task=load_task(TASKS / "create-file-1"),
@@ -252,6 +275,8 @@ def test_an_external_harness_that_exits_after_the_gateway_failed_it_is_an_infras
     assert result.external is not None and result.external.exit_code != 0, result.external
     assert observer.asked == 1
     if refused:
+        # The gateway wrote the refusal on the stream before the agent saw its 500; the harness folds it.
+        assert [(r.status, r.infra) for r in stack.recorder.refusals("execution-gw-500")] == [(500, True)]
         assert result.stopped.status == "error" and result.stopped.infra_failure
         assert result.stopped.stop_reason.startswith("exit 1 after the model API refused its last call: 500 api_error")
         assert stack.recorder.calls("execution-gw-500") == []
@@ -259,23 +284,24 @@ def test_an_external_harness_that_exits_after_the_gateway_failed_it_is_an_infras
         assert result.stopped.status == "finished" and not result.stopped.infra_failure
         assert result.stopped.stop_reason == "exit 3"
         assert len(stack.recorder.calls("execution-gw-500")) == 1
+        assert result.stopped.calls == 1  # the end event's count, from the same read
 
 
 def test_the_gateway_holds_an_external_harness_to_its_call_budget(tmp_path: Path, best_backend: str) -> None:
-    """An external agent cannot count its calls for the harness: the gateway refuses the one past the budget,
-    the agent exits on the error, and the execution ends timed out on its call budget."""
+    """An external agent cannot count its calls for the harness: the gateway takes the call budget from the
+    execution's `execution.started`, refuses the call past it (recording the refusal), the agent exits on the
+    error, and the execution ends timed out on its call budget."""
     from .test_external_harness import sdk_harness
 
     codec, stack = gateway_stack(lambda prompt: "hello world")
-    token = stack.registry.register("execution-gw-budget")
-    stack.core.start_execution("execution-gw-budget", seed=3, max_calls=2)
+    announce(stack, "execution-gw-budget", seed=3, call_budget=2)
     with Served(stack.app) as base_url:
-        observer = GatewayStatusObserver(base_url, "execution-gw-budget")
+        observer = StreamAccountObserver(stack, "execution-gw-budget")
         result = run_execution(
             execution_id="execution-gw-budget",
             task=load_task(TASKS / "create-file-1"),
             harness=sdk_harness("--calls", "5"),
-            gateway=GatewayAccess(base_url=base_url, token=token, model="tiny"),
+            gateway=GatewayAccess(base_url=base_url, token=token_of("execution-gw-budget"), model="tiny"),
             state_dir=tmp_path / "state",
             backend=best_backend,
             observer=observer,
@@ -283,3 +309,31 @@ def test_the_gateway_holds_an_external_harness_to_its_call_budget(tmp_path: Path
     assert result.external is not None and result.external.exit_code != 0, result.external
     assert (result.stopped.status, result.stopped.budget) == ("timed_out", "calls")
     assert len(stack.recorder.calls("execution-gw-budget")) == 2
+    assert [r.budget_spent for r in stack.recorder.refusals("execution-gw-budget")] == [True]
+
+
+def test_an_external_harness_whose_token_the_gateway_does_not_know_fails_on_the_infrastructure(
+    tmp_path: Path, best_backend: str
+) -> None:
+    """A token the gateway cannot verify (another secret: a misconfigured run) names no execution, so nothing is
+    recorded on the stream; the agent exits on its 401 having made no recorded call, and that is the
+    infrastructure's failure, not a policy outcome."""
+    from .test_external_harness import sdk_harness
+
+    codec, stack = gateway_stack(lambda prompt: "hello world")
+    with Served(stack.app) as base_url:
+        observer = StreamAccountObserver(stack, "execution-gw-secret")
+        result = run_execution(
+            execution_id="execution-gw-secret",
+            task=load_task(TASKS / "create-file-1"),
+            harness=sdk_harness(),
+            gateway=GatewayAccess(base_url=base_url, token=derive_execution_token(b"another-secret", "execution-gw-secret"),
+                                  model="tiny"),
+            state_dir=tmp_path / "state",
+            backend=best_backend,
+            observer=observer,
+        )
+    assert result.external is not None and result.external.exit_code != 0, result.external
+    assert [e for e in stack.recorder.events if e.stream_id == stream_id_for("execution", "execution-gw-secret")] == []
+    assert result.stopped.status == "error" and result.stopped.infra_failure
+    assert result.stopped.stop_reason == "exit 1 before the gateway recorded any model call of it"

@@ -9,13 +9,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.harness.agent import AgentConfig
-from services.harness.agent_core import Branch
-from services.harness.execution import AgentStopped, BuiltinHarness, LoopObserver, run_execution_async
-from services.harness.external import GatewayAccess
+from services.harness.agent_core import AgentConfig, Branch
+from services.harness.execution import BuiltinHarness, LoopObserver, run_execution_async
+from services.harness.external_harness import GatewayAccess
+from services.harness.outcomes import AgentStopped
 from services.harness.planning import QueryPlanError, plan_query, recovery_actions
-from shared.events import execution_id_for
 from services.harness.tasks import load_task
+from shared.events import execution_id_for
 
 from .scripted_server import ScriptedAnthropicServer, shell, tool
 from .test_agent_loop import partial_task

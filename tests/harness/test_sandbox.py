@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from services.harness.sandbox import ProcessSandbox, SandboxLimits, SandboxSpec
+from services.harness.process_sandbox import ProcessSandbox
+from services.harness.sandbox_spec import SandboxLimits, SandboxSpec
 
 
 def processes_of_uid(uid: int) -> list[int]:
@@ -211,10 +212,10 @@ def test_concurrent_sandboxes_get_distinct_uids(tmp_path: Path, backend: str) ->
 
 
 def test_uid_locks_exclude_other_processes(tmp_path: Path) -> None:
-    from services.harness.sandbox import _UidPool
+    from services.harness.uid_pool import UidPool
 
-    first = _UidPool(base=70000, size=2, lock_dir=tmp_path / "locks")
-    second = _UidPool(base=70000, size=2, lock_dir=tmp_path / "locks")
+    first = UidPool(base=70000, size=2, lock_dir=tmp_path / "locks")
+    second = UidPool(base=70000, size=2, lock_dir=tmp_path / "locks")
     a = first.acquire()
     b = second.acquire()
     assert a != b
@@ -225,11 +226,12 @@ def test_uid_locks_exclude_other_processes(tmp_path: Path) -> None:
 def test_a_sandbox_that_fails_to_build_gives_its_uid_back(tmp_path: Path, backend: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Nobody holds a sandbox whose constructor raised, so nobody can close it: it must free its uid itself
     (otherwise every such failure leaks one, until the pool is empty and no execution can start)."""
-    import services.harness.sandbox as sandbox_module
+    from services.harness import uid_pool
+    from services.harness.sandbox_spec import SandboxError
 
-    pool = sandbox_module._UidPool(base=71000, size=1, lock_dir=tmp_path / "locks")
-    monkeypatch.setattr(sandbox_module, "UID_POOL", pool)
-    with pytest.raises(sandbox_module.SandboxError, match="gateway URL"):
+    pool = uid_pool.UidPool(base=71000, size=1, lock_dir=tmp_path / "locks")
+    monkeypatch.setattr(uid_pool, "UID_POOL", pool)
+    with pytest.raises(SandboxError, match="gateway URL"):
         ProcessSandbox(tmp_path / "bad", SandboxSpec(), backend=backend, gateway_url="http:///no-host")  # type: ignore[arg-type]
     box = ProcessSandbox(tmp_path / "good", SandboxSpec(), backend=backend)  # type: ignore[arg-type]
     try:
@@ -288,10 +290,10 @@ def test_dev_shm_is_capped_and_setuid_programs_gain_nothing(tmp_path: Path, back
 def test_orphans_of_a_dead_harness_are_swept_and_live_sandboxes_are_not(tmp_path: Path) -> None:
     """A harness that died can leave sandbox processes running (under unshare a uid change clears the
     parent-death signal). A restarted harness kills those of uids nobody holds, and only those."""
-    from services.harness.sandbox import _UidPool
+    from services.harness.uid_pool import UidPool
 
-    restarted = _UidPool(base=72000, size=4, lock_dir=tmp_path / "locks")
-    neighbour = _UidPool(base=72000, size=4, lock_dir=tmp_path / "locks")  # another live harness process
+    restarted = UidPool(base=72000, size=4, lock_dir=tmp_path / "locks")
+    neighbour = UidPool(base=72000, size=4, lock_dir=tmp_path / "locks")  # another live harness process
     held = neighbour.acquire()
     orphan_uid = held + 1
 

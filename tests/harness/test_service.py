@@ -8,41 +8,39 @@ from typing import Any
 
 import pytest
 from fastapi import Request
-from fastapi.responses import JSONResponse
 
-from shared.events import execution_id_for
-from services.harness.service import HarnessService, HarnessSettings
-from shared.events import QueryDispatched, new_event, stream_id_for
+from services.harness.service import HarnessService, HarnessSettings, TokenSecretMissingError
+from shared.events import CallRefused, QueryDispatched, execution_id_for, new_event, stream_id_for
+from shared.execution_tokens import derive_execution_token, execution_of_token
 from shared.relay import OutboxRelay
 from shared.runtime import utcnow
 from shared.settings import Settings
 from tests.conftest import Infra, unique
-from tests.harness.scripted_server import ScriptedAnthropicServer, failure, shell, submit
+from tests.harness.scripted_server import RefusalHook, ScriptedAnthropicServer, failure, shell, submit
 
 REPO = Path(__file__).resolve().parents[2]
+SECRET = "harness-test-token-secret-0123456789"  # the run's token secret, shared with the gateway
 
 
-def gateway(script: list[Any]) -> ScriptedAnthropicServer:
-    server = ScriptedAnthropicServer(script)
-    tokens: list[str] = []
-    bodies: list[dict[str, Any]] = []
+def gateway(script: list[Any], *, on_refused: RefusalHook | None = None) -> ScriptedAnthropicServer:
+    """A scripted model API standing in for the gateway; `paths` records every path the harness asked for."""
+    server = ScriptedAnthropicServer(script, on_refused=on_refused)
+    paths: list[str] = []
 
-    @server.app.post("/internal/executions")
-    async def register(request: Request) -> JSONResponse:
-        body = await request.json()
-        tokens.append(body["execution_id"])
-        bodies.append(body)
-        return JSONResponse({"execution_id": body["execution_id"], "token": f"tok-{body['execution_id']}-0123456789"})
+    @server.app.middleware("http")
+    async def record_path(request: Request, call_next: Any) -> Any:
+        paths.append(request.url.path)
+        return await call_next(request)
 
-    server.registered = tokens  # type: ignore[attr-defined]
-    server.registrations = bodies  # type: ignore[attr-defined]
+    server.paths = paths  # type: ignore[attr-defined]
     return server.start()
 
 
 def service(
     infra: Infra, store, bus, tmp_path: Path, server: ScriptedAnthropicServer, run_id: str,
-    cls: type[HarnessService] = HarnessService,
+    cls: type[HarnessService] = HarnessService, secret: str | None = SECRET,
 ) -> HarnessService:
+    """The service under test; `secret` None leaves the token secret to the environment."""
     settings = Settings(
         database_url=infra.database_url, nats_url=infra.nats_url, db_schema=store.schema,
         subject_prefix=bus.prefix, run_id=run_id, ack_wait_s=30,
@@ -50,6 +48,7 @@ def service(
     h = HarnessSettings(
         tasks_dir=REPO / "tasks", work_dir=tmp_path / "executions", gateway_url=server.base_url,
         model_name="scripted-model", concurrency=1, wall_budget_s=60,
+        **({"gateway_token_secret": secret} if secret is not None else {}),
     )
     return cls(settings, h)
 
@@ -68,11 +67,11 @@ async def wait_for_types(store, run_id: str, wanted: dict[str, int], timeout: fl
 
 async def dispatch_and_wait(
     store, bus, infra: Infra, tmp_path: Path, server: ScriptedAnthropicServer, query: QueryDispatched,
-    wanted: dict[str, int], cls: type[HarnessService] = HarnessService,
+    wanted: dict[str, int], cls: type[HarnessService] = HarnessService, secret: str | None = SECRET,
 ) -> list:
     """Run the harness service (and a relay) on one dispatched query until the wanted events are in the log."""
     run_id = unique("run-")
-    svc = service(infra, store, bus, tmp_path, server, run_id, cls)
+    svc = service(infra, store, bus, tmp_path, server, run_id, cls, secret)
     stop = asyncio.Event()
     relay = OutboxRelay(store, bus, dsn=infra.database_url, idle_wait_s=0.1)
     relay_task = asyncio.create_task(relay.run(stop))
@@ -98,17 +97,17 @@ async def test_a_dispatched_query_runs_its_group_and_scores_each_execution(store
     assert scored[execution_id_for("q1", 0)].reward == 1.0
     assert scored[execution_id_for("q1", 1)].reward < 1.0
     assert all(s.infra_failure is None for s in scored.values())
+    # The gateway takes each execution up from its start event: the seed (it seeds every call), the call budget
+    # (it enforces it) and the cell the scheduler placed it on.
     started = [e.data for e in events if e.type == "execution.started"]
-    assert [(s.sample_index, s.seed, s.group_size, s.cell_id) for s in started] == [
-        (0, 11, 2, "n1-cell1"), (1, 12, 2, "n1-cell0")]
-    assert server.registered == [execution_id_for("q1", 0), execution_id_for("q1", 1)]  # type: ignore[attr-defined]
-    # The gateway gets each execution's seed (it seeds every call) and call budget (it enforces it).
-    assert [(b["seed"], b["max_calls"], b["cell_id"]) for b in server.registrations] == [  # type: ignore[attr-defined]
-        (11, None, "n1-cell1"), (12, None, "n1-cell0")]
-    # Every request carried its own execution's token.
+    assert [(s.sample_index, s.seed, s.group_size, s.cell_id, s.call_budget) for s in started] == [
+        (0, 11, 2, "n1-cell1", None), (1, 12, 2, "n1-cell0", None)]
+    # Every request carried its own execution's token, derived from the secret the gateway holds too; the
+    # harness asked the gateway for nothing but model calls.
     assert {h["authorization"] for h in server.headers} == {
-        f"Bearer tok-{execution_id_for('q1', i)}-0123456789" for i in (0, 1)
+        f"Bearer {derive_execution_token(SECRET.encode(), execution_id_for('q1', i))}" for i in (0, 1)
     }
+    assert set(server.paths) == {"/v1/messages"}  # type: ignore[attr-defined]
     for e in events:  # events of one execution share its stream, in order
         if e.type.startswith("execution."):
             assert e.stream_id == stream_id_for("execution", e.data.execution_id)
@@ -118,7 +117,7 @@ async def recover_crashed(store, bus, infra, tmp_path, run_id: str,
                           executions: dict[str, tuple[bool, int]]) -> list:
     """What a harness that died left: `executions` maps each execution id to (its workspace holds the answer,
     model calls it made). A fresh service recovers them; returns the run's events once each is ended and scored."""
-    from services.trajectory.synthetic import ExecutionLog
+    from services.trajectory.synthetic import SyntheticExecution
 
     server = gateway([])
     work = tmp_path / "executions"
@@ -126,8 +125,8 @@ async def recover_crashed(store, bus, infra, tmp_path, run_id: str,
         if answered:
             (work / eid / "work").mkdir(parents=True)
             (work / eid / "work" / "hello.txt").write_text("hello world\n")
-        log = ExecutionLog(eid, query_id=eid.rsplit("-", 1)[0], run_id=run_id, task_id="create-file-1",
-                           group_size=len(executions), sample_index=i, seed=i)
+        log = SyntheticExecution(eid, query_id=eid.rsplit("-", 1)[0], run_id=run_id, task_id="create-file-1",
+                                 group_size=len(executions), sample_index=i, seed=i)
         log.start()
         prompt = [1, 2, 3]
         for c in range(calls):
@@ -167,7 +166,7 @@ async def test_restart_marks_unfinished_executions_timed_out_and_grades_preserve
 async def test_restart_scores_an_ended_but_unscored_execution_by_how_it_ended(store, bus, infra, tmp_path):
     """The harness died while grading: the end event is in the log, the score is not. The recovered score
     must say what the live path would have: not timed out, and an infrastructure failure when it was one."""
-    from services.trajectory.synthetic import ExecutionLog
+    from services.trajectory.synthetic import SyntheticExecution
 
     run_id = unique("run-")
     server = gateway([])
@@ -176,8 +175,8 @@ async def test_restart_scores_an_ended_but_unscored_execution_by_how_it_ended(st
     for i, eid in enumerate((submitted, refused)):
         (work / eid / "work").mkdir(parents=True)
         (work / eid / "work" / "hello.txt").write_text("hello world\n")
-        log = ExecutionLog(eid, query_id="qe", run_id=run_id, task_id="create-file-1", group_size=2,
-                           sample_index=i, seed=i)
+        log = SyntheticExecution(eid, query_id="qe", run_id=run_id, task_id="create-file-1", group_size=2,
+                                 sample_index=i, seed=i)
         log.start()
         log.call([1, 2, 3], [4, 5])
         if eid == refused:
@@ -211,38 +210,65 @@ async def test_a_model_api_that_keeps_failing_ends_the_execution_as_an_infrastru
     assert finished.infra_failure and finished.stop_reason == scored.infra_failure  # what a recovery reads
 
 
-@pytest.mark.parametrize("status_api", ["answers", "broken"])
-async def test_an_external_harness_exiting_after_a_refused_call_is_flagged_when_the_gateway_says_so(
-    store, bus, infra, tmp_path, status_api: str
+@pytest.mark.parametrize("log", ["refusal-recorded", "unreadable", "nothing-recorded"])
+async def test_an_external_harness_exiting_after_a_refused_call_is_flagged_when_the_log_says_so(
+    store, bus, infra, tmp_path, log: str
 ):
-    """The service asks the gateway why the last call failed before it reports the external agent's end."""
+    """After an external agent exits, the service folds the execution's stream: a `call.refused` for the
+    infrastructure's reasons, written by the gateway before the agent saw its 500, makes the exit an
+    infrastructure failure. A log that cannot be read leaves the exit the agent's own; one that holds no call
+    at all means the model API never answered it (the infrastructure's failure too)."""
     from tests.harness.test_external_harness import sdk_harness
 
-    server = gateway([failure(500)])  # the script does not retry: one refused call, then exit 1
-    asked: list[str] = []
+    loop = asyncio.get_running_loop()
 
-    @server.app.get("/internal/executions/{execution_id}")
-    async def status(execution_id: str) -> JSONResponse:
-        asked.append(execution_id)
-        if status_api == "broken":
-            return JSONResponse({"error": "down"}, status_code=503)
-        return JSONResponse({"execution_id": execution_id, "last_infra_refusal": "500 api_error: scripted"})
+    async def write_refusal(headers: dict[str, str], status: int, kind: str, message: str) -> None:
+        """The gateway's side: the refusal on the execution's stream before the error is answered."""
+        token = headers.get("authorization", "").removeprefix("Bearer ").strip()
+        execution_id = execution_of_token(SECRET.encode(), token)
+        assert execution_id is not None
+        refused = CallRefused(execution_id=execution_id, status=status, kind=kind, reason=message, infra=status >= 500)
+        event = new_event(refused, run_id=run_ids[0], stream_id=stream_id_for("execution", execution_id), version=1,
+                          occurred_at=utcnow())
+        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(store.append([event], expected_version="any"),
+                                                                   loop))
+
+    run_ids: list[str] = []
+    # The script does not retry: one refused call, then exit 1.
+    server = gateway([failure(500)], on_refused=write_refusal if log != "nothing-recorded" else None)
+    reads: list[str] = []
 
     class ExternalHarnessService(HarnessService):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            run_ids.append(self.settings.run_id)
+
         def harness_config(self, name=None):  # type: ignore[override]  # noqa: ANN001
             return sdk_harness()
+
+        async def read_call_account(self, execution_id: str):  # type: ignore[no-untyped-def]
+            reads.append(execution_id)
+            if log == "unreadable" and len(reads) == 1:  # the read at the agent's exit fails
+                raise ConnectionError("postgres went away")
+            return await super().read_call_account(execution_id)
 
     query = QueryDispatched(query_id="qx", task_id="create-file-1", group_size=1, seeds=[5], step=0, policy_version=0)
     events = await dispatch_and_wait(store, bus, infra, tmp_path, server, query,
                                      {"execution.finished": 1, "execution.scored": 1}, ExternalHarnessService)
     (finished,) = [e.data for e in events if e.type == "execution.finished"]
     (scored,) = [e.data for e in events if e.type == "execution.scored"]
-    assert asked == [finished.execution_id]
-    if status_api == "answers":
-        assert finished.stop_reason == "exit 1 after the model API refused its last call: 500 api_error: scripted"
-        assert scored.infra_failure == finished.stop_reason
-    else:  # no answer: the exit stays the agent's own outcome
-        assert finished.stop_reason == "exit 1" and scored.infra_failure is None
+    assert reads[0] == finished.execution_id
+    match log:
+        case "refusal-recorded":
+            assert finished.stop_reason == "exit 1 after the model API refused its last call: 500 api_error: scripted failure"
+            assert scored.infra_failure == finished.stop_reason
+            assert [e.type for e in events if e.type.startswith("call.")] == ["call.refused"]
+        case "unreadable":  # no account: the exit stays the agent's own outcome
+            assert finished.stop_reason == "exit 1" and scored.infra_failure is None
+        case "nothing-recorded":
+            assert finished.stop_reason == "exit 1 before the gateway recorded any model call of it"
+            assert scored.infra_failure == finished.stop_reason and finished.infra_failure
+    assert finished.calls == 0
     assert scored.reward == 0.0
 
 
@@ -261,7 +287,8 @@ async def test_a_dispatch_naming_a_harness_runs_that_one_and_start_sweeps_orphan
         return real_sweep()
 
     monkeypatch.setattr(service_module.UID_POOL, "sweep_orphans", sweep)
-    monkeypatch.setenv("GYRE_ROLLOUT_TOKEN_SECRET", "s" * 32)  # the gateway's secret: tokens are derived
+    monkeypatch.delenv("GYRE_HARNESS_GATEWAY_TOKEN_SECRET", raising=False)
+    monkeypatch.setenv("GYRE_ROLLOUT_TOKEN_SECRET", "s" * 32)  # the gateway's secret, read when the harness has none
     asked: list[str | None] = []
 
     class Recording(HarnessService):
@@ -272,19 +299,36 @@ async def test_a_dispatch_naming_a_harness_runs_that_one_and_start_sweeps_orphan
     server = gateway([shell("printf 'hello world\\n' > /app/hello.txt"), submit()])
     query = QueryDispatched(query_id="qh", task_id="create-file-1", group_size=1, seeds=[3], step=0, policy_version=0,
                             harness="claude-code")
-    events = await dispatch_and_wait(store, bus, infra, tmp_path, server, query, {"execution.scored": 1}, Recording)
+    events = await dispatch_and_wait(store, bus, infra, tmp_path, server, query, {"execution.scored": 1}, Recording,
+                                     secret=None)
     (started,) = [e.data for e in events if e.type == "execution.started"]
     assert started.harness == "claude-code" and asked == ["claude-code"]
     assert swept == [True]
-    from shared.execution_tokens import derive_execution_token
+    assert {h["authorization"] for h in server.headers} == {
+        f"Bearer {derive_execution_token(b's' * 32, started.execution_id)}"}
 
-    assert server.registrations[0]["token"] == derive_execution_token(b"s" * 32, started.execution_id)  # type: ignore[attr-defined]
+
+async def test_a_harness_started_without_the_token_secret_stops_with_a_named_error(
+    store, bus, infra: Infra, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the secret no execution's token could be derived, so no agent could call the model: the service
+    refuses to start, saying which variable it expected."""
+    for name in ("GYRE_HARNESS_GATEWAY_TOKEN_SECRET", "GYRE_ROLLOUT_TOKEN_SECRET"):
+        monkeypatch.delenv(name, raising=False)
+    server = gateway([])
+    svc = service(infra, store, bus, tmp_path, server, unique("run-"), secret=None)
+    try:
+        with pytest.raises(TokenSecretMissingError, match="GYRE_HARNESS_GATEWAY_TOKEN_SECRET or GYRE_ROLLOUT_TOKEN_SECRET"):
+            await svc.start()
+    finally:
+        await svc.stop()
+        server.stop()
 
 
 def test_the_harness_a_dispatch_names_is_the_one_that_runs(tmp_path: Path) -> None:
     """`execution.started.harness` says which agent ran; the service runs that one, not its own default."""
     from services.harness.execution import BuiltinHarness
-    from services.harness.external import ExternalHarness
+    from services.harness.external_harness import ExternalHarness
     from services.harness.service import HarnessSettings
     from shared.settings import Settings
 
@@ -299,7 +343,7 @@ async def test_recovery_scores_an_execution_it_cannot_grade_and_goes_on(store, b
     """Grading one execution after the crash fails (its sandbox cannot start, say): it is scored 0 as an
     infrastructure failure, and the service starts and recovers the others rather than crash-loop."""
     import services.harness.service as harness_service
-    from services.harness.sandbox import SandboxError
+    from services.harness.sandbox_spec import SandboxError
 
     graded = harness_service.grade_preserved
 

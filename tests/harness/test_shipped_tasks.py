@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from services.harness.sandbox import make_sandbox
+from services.harness.sandboxes import make_sandbox
 from services.harness.taskrun import prepare, run_solution, run_tests, sandbox_spec_for
 from services.harness.tasks import discover_tasks
 

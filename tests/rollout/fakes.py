@@ -1,5 +1,6 @@
 """Test doubles for the rollout service: a char-level codec over Gyre's real chat template, a scripted engine,
-and in-process worker transport. Used by the fast tests; the vLLM tests use the real engine.
+in-process worker transport, and an in-process gateway over them (`build_stack`). Used by the fast tests; the
+vLLM tests use the real engine.
 """
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -15,15 +17,26 @@ import numpy as np
 
 from services.rollout.codec import reply_message
 from services.rollout.conversation import Conversation
-from services.rollout.credentials import ExecutionRegistry
-from services.rollout.engine import EngineOutput
-from services.rollout.gateway import GatewayCore, create_app
-from services.rollout.protocol import AdoptReply, AdoptRequest, GenerateReply, GenerateRequest, SamplingSpec
-from services.rollout.recording import InMemoryCallRecorder
+from services.rollout.credentials import TokenVerifier
+from services.rollout.engine_port import EngineOutput
+from services.rollout.gateway import create_app
+from services.rollout.gateway_core import GatewayCore
+from services.rollout.protocol import (
+    AdoptReply,
+    AdoptRequest,
+    GenerateReply,
+    GenerateRequest,
+    SamplingSpec,
+)
+from services.rollout.recorder_memory import InMemoryCallRecorder
 from services.rollout.router import Router, WorkerDirectory, WorkerUnreachable
 from services.rollout.worker import RolloutWorker
 from shared.chat import chat_template
+from shared.events import Event, ExecutionStarted, new_event, stream_id_for
+from shared.execution_tokens import derive_execution_token
 from shared.worker_status import WorkerStatus
+
+TOKEN_SECRET = b"test-secret"  # the run's execution-token secret in every stack
 
 SPECIALS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
 
@@ -170,11 +183,31 @@ class LocalWorkers:
 class Stack:
     app: Any
     core: GatewayCore
-    registry: ExecutionRegistry
-    recorder: Any
+    recorder: InMemoryCallRecorder
     local: LocalWorkers
     directory: WorkerDirectory
     engines: list[Any] = field(default_factory=list)
+
+    def token(self, execution_id: str) -> str:
+        """The execution's API key, as the harness derives it from the run's secret."""
+        return derive_execution_token(TOKEN_SECRET, execution_id)
+
+    def start(self, execution_id: str, *, seed: int, call_budget: int | None = None,
+              cell_id: str | None = None) -> ExecutionStarted:
+        """What the harness's `execution.started` does to the gateway: the event in the execution's log, and the
+        gateway taking it up (its first call then settles seed and budget from the log)."""
+        started = ExecutionStarted(execution_id=execution_id, query_id="q", task_id="t", group_size=1,
+                                   sample_index=0, seed=seed, call_budget=call_budget, cell_id=cell_id)
+        self.log(started)
+        self.core.take_up(started)
+        return started
+
+    def log(self, data: Any) -> Event:
+        """Append an event another service writes (an execution's start or end) to the execution's stream."""
+        event = new_event(data, run_id=self.recorder.run_id, stream_id=stream_id_for("execution", data.execution_id),
+                          version=1, occurred_at=datetime.now(UTC))
+        self.recorder.storage.add([event])
+        return event
 
     def refresh(self) -> None:
         """Feed the workers' current status to the router (the NATS shell does this with heartbeats)."""
@@ -208,25 +241,26 @@ def build_stack(
     codec: Any,
     *,
     capacity: int = 8,
-    recorder: Any = None,
+    recorder: InMemoryCallRecorder | None = None,
     max_body_bytes: int = 32 * 1024 * 1024,
     emit: Any = None,
 ) -> Stack:
+    """A gateway over workers of `engines` in this process. Pass `recorder.restarted()` of an earlier stack for
+    a gateway that restarted over the same log."""
     local = LocalWorkers()
     directory = WorkerDirectory(stale_after_s=1e9)
     for i, engine in enumerate(engines):
         local.add(RolloutWorker(engine, worker_id=f"w{i}", cell_id=f"cell-{i}", capacity=capacity, emit=emit))
     router = Router(directory, local)
     recorder = recorder or InMemoryCallRecorder()
-    core = GatewayCore(codec=codec, router=router, recorder=recorder,
+    core = GatewayCore(codec=codec, router=router, recorder=recorder, tokens=TokenVerifier(TOKEN_SECRET),
                        max_model_len=min(e.max_model_len for e in engines), model_name="tiny")
-    registry = ExecutionRegistry(secret=b"test-secret")
-    app = create_app(core, registry, max_body_bytes=max_body_bytes)
-    stack = Stack(app, core, registry, recorder, local, directory, list(engines))
+    app = create_app(core, max_body_bytes=max_body_bytes)
+    stack = Stack(app, core, recorder, local, directory, list(engines))
     for w in local.workers.values():
         w._on_change = stack.refresh
     stack.refresh()
     return stack
 
 
-__all__ = ["CharCodec", "LocalWorkers", "ScriptedEngine", "Stack", "build_stack", "reply_message"]
+__all__ = ["TOKEN_SECRET", "CharCodec", "LocalWorkers", "ScriptedEngine", "Stack", "build_stack", "reply_message"]

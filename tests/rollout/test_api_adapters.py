@@ -7,8 +7,8 @@ import pytest
 from services.rollout import anthropic_api, openai_api
 from services.rollout.codec import reply_message
 from services.rollout.conversation import ChatMessage
-from shared.chat import ToolCall, tool_call_regex
 from services.rollout.errors import ApiError
+from shared.chat import ToolCall, tool_call_regex
 
 SCHEMA = {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}
 
@@ -94,3 +94,40 @@ def test_forced_tool_regex_accepts_the_template_format() -> None:
         "type": "object", "properties": {"path": {"type": "string"}, "limit": {"type": "integer"}}})], ("read",))
     assert re.fullmatch(regex, '<tool_call>\n{"name": "read", "arguments": {"path": "a.py", "limit": 10}}\n</tool_call>')
     assert not re.fullmatch(regex, '<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>')
+
+
+@pytest.mark.parametrize("seed", [-1, 2**63, "7", True, 1.5])
+def test_both_apis_check_a_seed_the_same_way(seed) -> None:
+    """One range for both endpoints: a seed the engine's sampler cannot take is the request's error (400), never
+    a worker failure."""
+    user = [{"role": "user", "content": "x"}]
+    for parse, body in ((anthropic_api.parse_request, {"model": "m", "max_tokens": 5, "messages": user}),
+                        (openai_api.parse_request, {"model": "m", "messages": user})):
+        with pytest.raises(ApiError, match=r"seed: expected an integer in \[0, 2\^63\)") as err:
+            parse({**body, "seed": seed})
+        assert err.value.status == 400
+        assert parse({**body, "seed": 2**63 - 1}).sampling.seed == 2**63 - 1
+
+
+def test_both_apis_check_tools_and_stop_strings_with_the_same_rules() -> None:
+    user = [{"role": "user", "content": "x"}]
+    anthropic_body = {"model": "m", "max_tokens": 5, "messages": user}
+    openai_body = {"model": "m", "messages": user}
+    bad_name = "bad name!"
+    with pytest.raises(ApiError, match=r"tools\.0\.name: expected a string matching"):
+        anthropic_api.parse_request({**anthropic_body, "tools": [{"name": bad_name, "input_schema": SCHEMA}]})
+    with pytest.raises(ApiError, match=r"tools\[0\]\.function\.name: expected a string matching"):
+        openai_api.parse_request({**openai_body, "tools": [{"type": "function", "function": {
+            "name": bad_name, "parameters": SCHEMA}}]})
+    # OpenAI lets a schema leave out "type"; the Messages API does not.
+    untyped = {"properties": {"a": {"type": "string"}}}
+    assert openai_api.parse_request({**openai_body, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": untyped}}]}).conversation.tools[0].parameters == untyped
+    with pytest.raises(ApiError, match="input_schema"):
+        anthropic_api.parse_request({**anthropic_body, "tools": [{"name": "f", "input_schema": untyped}]})
+    assert openai_api.parse_request({**openai_body, "stop": "END"}).sampling.stop == ("END",)
+    assert anthropic_api.parse_request({**anthropic_body, "stop_sequences": ["END"]}).sampling.stop == ("END",)
+    for parse, body, field in ((anthropic_api.parse_request, anthropic_body, "stop_sequences"),
+                               (openai_api.parse_request, openai_body, "stop")):
+        with pytest.raises(ApiError, match=f"{field}: expected"):
+            parse({**body, field: ["ok", ""]})

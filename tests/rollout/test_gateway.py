@@ -1,4 +1,4 @@
-"""The gateway with the real anthropic/openai SDKs over a scripted engine: protocol, recording, errors."""
+"""The gateway with the real anthropic/openai SDKs over a scripted engine: protocol, recording, refusals, take-up."""
 
 from __future__ import annotations
 
@@ -10,9 +10,16 @@ import numpy as np
 import openai
 import pytest
 
-from shared.calls import CALL_INDEX_HEADER, CallTokens, ExecutionSequences, CallRecord
-from shared.events import ExecutionBranched
+from services.rollout.errors import ApiError
+from shared.calls import (
+    CALL_INDEX_HEADER,
+    CallRecord,
+    ExecutionSequences,
+    call_record,
+    call_seed,
+)
 from shared.chat import format_tool_call
+from shared.events import ExecutionBranched, ExecutionFinished
 from tests.rollout.fakes import CharCodec, ScriptedEngine, build_stack
 
 CODEC = CharCodec()
@@ -37,18 +44,15 @@ def stack():
 
 
 def records(stack, execution_id: str) -> list[CallRecord]:
-    out = []
-    for call in stack.recorder.calls(execution_id):
-        tokens = CallTokens.decode(stack.recorder.blobs[call.record.digest])
-        out.append(CallRecord(execution_id=call.execution_id, call_id=call.call_id, call_index=call.call_index,
-                              parent_call_index=call.parent_call_index, parent_prefix_len=call.parent_prefix_len,
-                              tokens=tokens, policy_version=call.policy_version, chain_id=call.chain_id,
-                              branch_hint=call.branch_hint))
-    return out
+    return [call_record(call, stack.recorder.blobs[call.record.digest]) for call in stack.recorder.calls(execution_id)]
+
+
+def stream_types(stack, execution_id: str) -> list[str]:
+    return [e.type for e in stack.recorder.events if e.stream_id == f"execution-{execution_id}"]
 
 
 async def test_plain_message_is_answered_and_recorded_before_return(stack) -> None:
-    token = stack.registry.register("exec-1")
+    token = stack.token("exec-1")
     client = stack.anthropic(token)
     msg = await client.messages.create(model="tiny", max_tokens=200,
                                        messages=[{"role": "user", "content": "hello"}], tools=[BASH])
@@ -68,7 +72,7 @@ async def test_plain_message_is_answered_and_recorded_before_return(stack) -> No
 
 
 async def test_streaming_follows_the_standard_event_sequence(stack) -> None:
-    token = stack.registry.register("exec-s")
+    token = stack.token("exec-s")
     client = stack.anthropic(token)
     kinds = []
     async with client.messages.stream(model="tiny", max_tokens=200, tools=[BASH],
@@ -85,7 +89,7 @@ async def test_streaming_follows_the_standard_event_sequence(stack) -> None:
 
 async def test_every_answer_names_the_index_its_call_was_recorded_under(stack) -> None:
     """Anthropic and OpenAI, plain and streamed: the header matches the log's call index, call by call."""
-    token = stack.registry.register("exec-ix")
+    token = stack.token("exec-ix")
     user = [{"role": "user", "content": "hi"}]
     body = {"model": "tiny", "max_tokens": 200, "messages": user, "tools": [BASH]}
     headers = {"x-api-key": token}
@@ -107,7 +111,7 @@ async def test_every_answer_names_the_index_its_call_was_recorded_under(stack) -
 
 
 async def test_a_seed_in_an_anthropic_request_reaches_the_engine(stack) -> None:
-    client = stack.anthropic(stack.registry.register("exec-seed"))
+    client = stack.anthropic(stack.token("exec-seed"))
     user = [{"role": "user", "content": "hi"}]
     await client.messages.create(model="tiny", max_tokens=50, messages=user, extra_body={"seed": 1_200_036})
     await client.messages.create(model="tiny", max_tokens=50, messages=user)
@@ -118,7 +122,7 @@ async def test_a_seed_in_an_anthropic_request_reaches_the_engine(stack) -> None:
 
 
 async def test_twenty_tool_rounds_stay_on_one_path(stack) -> None:
-    token = stack.registry.register("exec-20")
+    token = stack.token("exec-20")
     client = stack.anthropic(token)
     messages: list[dict] = [{"role": "user", "content": "work on the task"}]
     system = [{"type": "text", "text": "You are an agent.", "cache_control": {"type": "ephemeral"}}]
@@ -146,9 +150,10 @@ async def test_twenty_tool_rounds_stay_on_one_path(stack) -> None:
     assert sum(c.new_prompt_tokens for c in calls) < sum(c.prompt_tokens for c in calls) / 4
 
 
-async def test_compaction_style_restart_is_recorded_as_a_fork(stack) -> None:
-    token = stack.registry.register("exec-c")
-    client = stack.anthropic(token)
+async def test_a_compaction_style_restart_is_recorded_as_a_compaction(stack) -> None:
+    """The chain's previous call is left in its context (the first user message is replaced by a shorter summary):
+    a compaction by the one classifier, which the harness announces itself, so no `execution.branched` is added."""
+    client = stack.anthropic(stack.token("exec-c"))
     first = [{"role": "user", "content": "a long task"}]
     msg = await client.messages.create(model="tiny", max_tokens=300, messages=first)
     second = first + [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in msg.content]},
@@ -157,13 +162,12 @@ async def test_compaction_style_restart_is_recorded_as_a_fork(stack) -> None:
     await client.messages.create(model="tiny", max_tokens=300,
                                  messages=[{"role": "user", "content": "Summary: the task is half done."}])
     calls = stack.recorder.calls("exec-c")
-    assert [c.branch_hint for c in calls] == [None, "continuation", "fork"]
-    branched = [e.data for e in stack.recorder.events if isinstance(e.data, ExecutionBranched)]
-    assert len(branched) == 1 and branched[0].kind == "fork" and branched[0].at_call_index == 2
+    assert [c.branch_hint for c in calls] == [None, "continuation", "compaction"]
+    assert not [e for e in stack.recorder.events if isinstance(e.data, ExecutionBranched)]
 
 
 async def test_claude_code_request_shape_is_accepted_and_max_tokens_clamped(stack) -> None:
-    token = stack.registry.register("exec-cc")
+    token = stack.token("exec-cc")
     body = {
         "model": "claude-sonnet-4-5",
         "max_tokens": 32000,
@@ -199,7 +203,7 @@ async def test_claude_code_request_shape_is_accepted_and_max_tokens_clamped(stac
 
 
 async def test_openai_client_gets_tool_calls_and_streams(stack) -> None:
-    token = stack.registry.register("exec-oa")
+    token = stack.token("exec-oa")
     client = stack.openai(token)
     tools = [{"type": "function", "function": {"name": "bash", "description": "run",
                                                "parameters": BASH["input_schema"]}}]
@@ -221,9 +225,9 @@ async def test_openai_client_gets_tool_calls_and_streams(stack) -> None:
     assert [c.branch_hint for c in stack.recorder.calls("exec-oa")] == [None, "continuation"]
 
 
-async def test_bad_requests_raise_sdk_errors_and_record_nothing() -> None:
+async def test_bad_requests_raise_sdk_errors_record_no_call_and_each_refusal() -> None:
     stack = build_stack([ScriptedEngine(CODEC, max_model_len=300)], CODEC, max_body_bytes=20_000)
-    token = stack.registry.register("exec-bad")
+    token = stack.token("exec-bad")
     client = stack.anthropic(token)
     user = [{"role": "user", "content": "hi"}]
     with pytest.raises(anthropic.AuthenticationError, match="execution"):
@@ -252,7 +256,13 @@ async def test_bad_requests_raise_sdk_errors_and_record_nothing() -> None:
             {"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}])
     with pytest.raises(openai.BadRequestError, match="messages"):
         await oa.chat.completions.create(model="tiny", messages=[])
-    assert stack.recorder.events == [] and stack.engines[0].prompts == []
+    assert stack.recorder.calls() == [] and stack.engines[0].prompts == []
+    # Every refusal the agent saw is in its execution's log; a token that names no execution (401) has none.
+    refusals = stack.recorder.refusals()
+    assert [r.execution_id for r in refusals] == ["exec-bad"] * 8
+    assert [r.status for r in refusals] == [400, 400, 400, 413, 400, 400, 400, 400]
+    assert [r.api for r in refusals] == ["anthropic"] * 6 + ["openai"] * 2
+    assert not any(r.infra or r.budget_spent for r in refusals) and "input_schema" in refusals[0].reason
 
 
 _USER = [{"role": "user", "content": "hi"}]
@@ -281,74 +291,53 @@ async def test_malformed_bodies_are_400_naming_the_field(path: str, body: object
     """Shapes a schema-trusting code path would trip on (a 500 that the harness would blame on the
     infrastructure) are the client's error: 400 invalid_request_error, nothing generated or recorded."""
     stack = build_stack([ScriptedEngine(CODEC)], CODEC)
-    token = stack.registry.register("exec-400")
+    token = stack.token("exec-400")
     content = body.encode() if isinstance(body, str) else json.dumps(body).encode()
     async with stack.http() as http:
         r = await http.post(path, content=content, headers={"x-api-key": token, "authorization": f"Bearer {token}",
                                                             "content-type": "application/json"})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["type"] == "invalid_request_error" and fragment in r.json()["error"]["message"]
-    assert stack.recorder.events == [] and stack.engines[0].prompts == []
+    assert stack.recorder.calls() == [] and stack.engines[0].prompts == []
+    assert [(e.status, e.kind) for e in stack.recorder.refusals("exec-400")] == [(400, "invalid_request_error")]
 
 
-async def test_registration_hands_the_gateway_the_executions_seed_and_call_budget() -> None:
-    """A call without its own seed samples with `call_seed(seed, index)`; one that brings a seed keeps it; once
-    the budget's calls are answered the next is refused (400) and the status says the budget is spent."""
-    from shared.calls import call_seed
-
+async def test_an_execution_taken_up_from_its_start_samples_with_its_seed_and_keeps_to_its_call_budget() -> None:
+    """`execution.started` reaches the gateway before the agent's first call: its log is being read and its cell
+    preferred. A call without its own seed samples with `call_seed(seed, index)`; one that brings a seed keeps it;
+    once the budget's calls are answered the next is refused (400), and its `call.refused` says so."""
     stack = build_stack([ScriptedEngine(CODEC)], CODEC)
-    async with stack.http() as http:
-        for bad in ({"execution_id": "e", "seed": "7"}, {"execution_id": "e", "seed": -1},
-                    {"execution_id": "e", "seed": 2**46}, {"execution_id": "e", "max_calls": 0},
-                    {"execution_id": "e", "cell_id": 5}):
-            r = await http.post("/internal/executions", json=bad)
-            assert r.status_code == 400, bad
-        r = await http.post("/internal/executions",
-                            json={"execution_id": "exec-s", "seed": 7, "max_calls": 2, "cell_id": "cell-x"})
-        token = r.json()["token"]
-        assert stack.core.router.preferred == {"exec-s": "cell-x"}  # the router starts it there if it can
-        assert stack.recorder._lines["exec-s"].prefetch is not None  # its log is being read before its first call
-        client = stack.anthropic(token)
-        user = [{"role": "user", "content": "hi"}]
+    stack.start("exec-s", seed=7, call_budget=2, cell_id="cell-x")
+    assert stack.core.router.preferred == {"exec-s": "cell-x"}  # the router starts it there if it can
+    assert stack.recorder._lines["exec-s"].prefetch is not None  # its log is being read before its first call
+    client = stack.anthropic(stack.token("exec-s"))
+    user = [{"role": "user", "content": "hi"}]
+    await client.messages.create(model="tiny", max_tokens=5, messages=user)
+    await client.messages.create(model="tiny", max_tokens=5, messages=user, extra_body={"seed": 99})
+    assert [sp.seed for sp in stack.engines[0].samplings] == [call_seed(7, 0), 99]
+    assert stack.recorder.refusals("exec-s") == []
+    with pytest.raises(anthropic.BadRequestError, match="call budget"):
         await client.messages.create(model="tiny", max_tokens=5, messages=user)
-        await client.messages.create(model="tiny", max_tokens=5, messages=user, extra_body={"seed": 99})
-        assert [sp.seed for sp in stack.engines[0].samplings] == [call_seed(7, 0), 99]
-        assert (await http.get("/internal/executions/exec-s")).json()["call_budget_spent"] is False
-        with pytest.raises(anthropic.BadRequestError, match="call budget"):
-            await client.messages.create(model="tiny", max_tokens=5, messages=user)
-        status = (await http.get("/internal/executions/exec-s")).json()
-    assert status["call_budget_spent"] is True and status["answered"] == 2 and status["last_infra_refusal"] is None
+    (spent,) = stack.recorder.refusals("exec-s")
+    assert spent.budget_spent and not spent.infra and spent.answered == 2 and spent.status == 400
     assert len(stack.engines[0].samplings) == 2 and len(stack.recorder.calls("exec-s")) == 2
 
 
 async def test_a_restarted_gateway_takes_seed_budget_and_end_from_the_log() -> None:
-    """A gateway that restarts loses its registrations. The first call of an execution it did not see start
-    recalls the execution's seed, call budget, calls so far and latest cell from its log, so sampling and the
-    budget go on where they were; and a derived token (which a restart still verifies) of an execution whose
-    log holds its end is refused."""
-    from datetime import UTC, datetime
-
-    from shared.execution_tokens import derive_execution_token
-    from shared.calls import call_seed
-    from shared.events import ExecutionFinished, ExecutionStarted, new_event
-
+    """A gateway that restarts loses what it held. The first call of an execution it did not see start recalls
+    the execution's seed, call budget, calls so far and latest cell from its log, so sampling and the budget go
+    on where they were; and a derived token (which a restart still verifies) of an execution whose log holds its
+    end is refused."""
     engines = [ScriptedEngine(CODEC), ScriptedEngine(CODEC)]
     stack = build_stack(engines, CODEC)
-    started = ExecutionStarted(execution_id="exec-r", query_id="q", task_id="t", group_size=1, sample_index=0,
-                               seed=7, call_budget=3, cell_id="cell-1")
-    stack.recorder.events.append(new_event(started, run_id="test", stream_id="execution-exec-r", version=1,
-                                           occurred_at=datetime.now(UTC)))
+    stack.start("exec-r", seed=7, call_budget=3, cell_id="cell-1")
     user = [{"role": "user", "content": "hi"}]
-    token = derive_execution_token(b"test-secret", "exec-r")
-    async with stack.http() as http:
-        r = await http.post("/internal/executions", json={"execution_id": "exec-r", "seed": 7, "max_calls": 3,
-                                                          "cell_id": "cell-1", "token": token})
-        assert r.status_code == 200
-        await stack.anthropic(token).messages.create(model="tiny", max_tokens=5, messages=user)
+    token = stack.token("exec-r")
+    await stack.anthropic(token).messages.create(model="tiny", max_tokens=5, messages=user)
     assert [sp.seed for sp in engines[1].samplings] == [call_seed(7, 0)] and engines[0].samplings == []
 
-    # The restart: a new gateway over the same log and workers, nothing registered.
-    restarted = build_stack(engines, CODEC, recorder=stack.recorder)
+    # The restart: a new gateway over the same log and workers, nothing taken up.
+    restarted = build_stack(engines, CODEC, recorder=stack.recorder.restarted())
     client = restarted.anthropic(token)
     await client.messages.create(model="tiny", max_tokens=5, messages=user)
     await client.messages.create(model="tiny", max_tokens=5, messages=user)
@@ -358,20 +347,19 @@ async def test_a_restarted_gateway_takes_seed_budget_and_end_from_the_log() -> N
         await client.messages.create(model="tiny", max_tokens=5, messages=user)
     assert [c.call_index for c in stack.recorder.calls("exec-r")] == [0, 1, 2]
 
-    finished = ExecutionFinished(execution_id="exec-r", elapsed_s=1.0, calls=3)
-    stack.recorder.events.append(new_event(finished, run_id="test", stream_id="execution-exec-r", version=9,
-                                           occurred_at=datetime.now(UTC)))
-    again = build_stack(engines, CODEC, recorder=stack.recorder)
+    stack.log(ExecutionFinished(execution_id="exec-r", elapsed_s=1.0, calls=3))
+    again = build_stack(engines, CODEC, recorder=stack.recorder.restarted())
     with pytest.raises(anthropic.AuthenticationError, match="has ended"):
         await again.anthropic(token).messages.create(model="tiny", max_tokens=5, messages=user)
     assert "exec-r" not in again.core.executions and len(engines[1].samplings) == 3
+    assert again.core.tokens.revoked("exec-r")  # its next call is refused at once, without reading the log
 
 
 async def test_a_stop_sequence_ends_the_reply_text_but_its_tokens_are_recorded() -> None:
     """The engine keeps the tokens that spell the stop string (they were generated and are trained); the reply's
     text ends before it, as both APIs define, and says which one matched."""
     stack = build_stack([ScriptedEngine(CODEC, lambda prompt: "helloEND world")], CODEC)
-    token = stack.registry.register("exec-stop")
+    token = stack.token("exec-stop")
     reply = await stack.anthropic(token).messages.create(model="tiny", max_tokens=50, stop_sequences=["END"],
                                                          messages=[{"role": "user", "content": "hi"}])
     assert [b.text for b in reply.content] == ["hello"]
@@ -383,14 +371,16 @@ async def test_a_stop_sequence_ends_the_reply_text_but_its_tokens_are_recorded()
     assert first.completion_tokens == len("helloEND")
 
 
-async def test_a_failed_record_fails_the_request() -> None:
+async def test_a_failed_record_fails_the_request_and_the_refusal_is_recorded() -> None:
     stack = build_stack([ScriptedEngine(CODEC)], CODEC)
-    token = stack.registry.register("exec-f")
+    token = stack.token("exec-f")
     stack.recorder.fail_next = ConnectionError("postgres went away")
     with pytest.raises(anthropic.InternalServerError, match="not returned"):
         await stack.anthropic(token).messages.create(model="tiny", max_tokens=50,
                                                      messages=[{"role": "user", "content": "hi"}])
-    assert stack.recorder.events == []
+    assert stack.recorder.calls() == []
+    (refused,) = stack.recorder.refusals("exec-f")
+    assert refused.status == 500 and refused.infra and "postgres went away" in refused.reason
     # The execution continues normally afterwards, from call index 0.
     await stack.anthropic(token).messages.create(model="tiny", max_tokens=50,
                                                  messages=[{"role": "user", "content": "hi"}])
@@ -400,41 +390,44 @@ async def test_a_failed_record_fails_the_request() -> None:
 async def test_no_capacity_is_429_with_retry_after() -> None:
     stack = build_stack([ScriptedEngine(CODEC)], CODEC, capacity=1)
     user = [{"role": "user", "content": "hi"}]
-    await stack.anthropic(stack.registry.register("exec-a")).messages.create(model="tiny", max_tokens=20,
+    await stack.anthropic(stack.token("exec-a")).messages.create(model="tiny", max_tokens=20,
                                                                            messages=user)
     with pytest.raises(anthropic.RateLimitError) as err:
-        await stack.anthropic(stack.registry.register("exec-b")).messages.create(model="tiny", max_tokens=20,
+        await stack.anthropic(stack.token("exec-b")).messages.create(model="tiny", max_tokens=20,
                                                                                messages=user)
     assert int(err.value.response.headers["retry-after"]) >= 1
 
 
-async def test_derived_tokens_identify_executions_without_registration(stack) -> None:
+async def test_only_a_token_derived_from_the_runs_secret_names_an_execution(stack) -> None:
     from shared.execution_tokens import derive_execution_token
 
-    token = derive_execution_token(b"test-secret", "exec-derived")
-    await stack.anthropic(token).messages.create(model="tiny", max_tokens=20,
-                                                 messages=[{"role": "user", "content": "hi"}])
+    await stack.anthropic(stack.token("exec-derived")).messages.create(
+        model="tiny", max_tokens=20, messages=[{"role": "user", "content": "hi"}])
     assert len(stack.recorder.calls("exec-derived")) == 1
     with pytest.raises(anthropic.AuthenticationError):
         await stack.anthropic(derive_execution_token(b"other-secret", "exec-derived")).messages.create(
             model="tiny", max_tokens=20, messages=[{"role": "user", "content": "hi"}])
+    assert stack.recorder.refusals() == []  # a token that names no execution has no log to write to
 
 
-async def test_internal_registration_api_mints_a_working_token(stack) -> None:
-    async with stack.http() as http:
-        r = await http.post("/internal/executions", json={"execution_id": "exec-reg"})
-        token = r.json()["token"]
+async def test_an_ended_executions_token_is_refused_and_the_internal_api_is_gone(stack) -> None:
+    """Services meet through events: no HTTP control API is left for an agent in a sandbox to reach."""
+    token = stack.token("exec-end")
     await stack.anthropic(token).messages.create(model="tiny", max_tokens=20,
                                                  messages=[{"role": "user", "content": "hi"}])
-    async with stack.http() as http:
-        await http.delete("/internal/executions/exec-reg")
+    stack.core.end_execution("exec-end")  # what its execution.finished does
     with pytest.raises(anthropic.AuthenticationError):
         await stack.anthropic(token).messages.create(model="tiny", max_tokens=20,
                                                      messages=[{"role": "user", "content": "hi"}])
+    assert stack.recorder.refusals("exec-end") == []
+    async with stack.http() as http:
+        assert (await http.post("/internal/executions", json={"execution_id": "x"})).status_code == 404
+        assert (await http.get("/internal/executions/exec-end")).status_code == 404
+        assert (await http.delete("/internal/executions/exec-end")).status_code == 404
 
 
 async def test_an_echo_that_drops_the_tool_call_is_a_fork_not_a_silent_splice(stack) -> None:
-    client = stack.anthropic(stack.registry.register("exec-drop"))
+    client = stack.anthropic(stack.token("exec-drop"))
     first = [{"role": "user", "content": "task"}]
     msg = await client.messages.create(model="tiny", max_tokens=300, tools=[BASH], messages=first)
     assert msg.stop_reason == "tool_use"
@@ -443,76 +436,124 @@ async def test_an_echo_that_drops_the_tool_call_is_a_fork_not_a_silent_splice(st
         {"role": "assistant", "content": msg.content[0].text}, {"role": "user", "content": "go on"}])
     calls = stack.recorder.calls("exec-drop")
     assert calls[1].branch_hint == "fork"
+    (branched,) = [e.data for e in stack.recorder.events if isinstance(e.data, ExecutionBranched)]
+    assert (branched.kind, branched.at_call_index, branched.from_call_index) == ("fork", 1, 0)
     # The shared prefix ends inside the first reply: the generated text is kept, the dropped call is not.
     assert calls[0].prompt_tokens < calls[1].parent_prefix_len < calls[0].prompt_tokens + calls[0].completion_tokens
 
 
-async def test_the_gateway_tells_whether_infrastructure_refused_an_executions_latest_call() -> None:
-    """The harness asks this after an external agent exits non-zero: a refusal that was the infrastructure's
-    (5xx, 429) makes the exit an infrastructure failure; a refusal of the request itself or an answer clears it."""
+async def test_every_refused_call_of_an_execution_is_in_its_log_in_order() -> None:
+    """The harness folds these after an external agent exits: a refusal that was the infrastructure's (5xx,
+    429) is marked `infra`, a refusal of the request itself is not, and answered calls sit between them in
+    stream order, whichever API the call came through."""
     stack = build_stack([ScriptedEngine(CODEC, max_model_len=300)], CODEC, capacity=1)
-    token = stack.registry.register("exec-s")
+    token = stack.token("exec-s")
     client = stack.anthropic(token)
     user = [{"role": "user", "content": "hi"}]
-
-    async def status() -> dict:
-        async with stack.http() as http:
-            r = await http.get("/internal/executions/exec-s")
-            assert r.status_code == 200
-            return r.json()
-
-    assert (await status())["last_infra_refusal"] is None
     stack.recorder.fail_next = ConnectionError("postgres went away")
     with pytest.raises(anthropic.InternalServerError):
         await client.messages.create(model="tiny", max_tokens=20, messages=user)
-    seen = await status()
-    assert seen["last_infra_refusal"].startswith("500 api_error: ") and "postgres went away" in seen["last_infra_refusal"]
-    assert seen["infra_refusals"] == 1 and seen["answered"] == 0
     with pytest.raises(anthropic.BadRequestError, match="prompt is too long"):  # the request's own fault
         await client.messages.create(model="tiny", max_tokens=10, messages=[{"role": "user", "content": "x" * 400}])
-    assert (await status())["last_infra_refusal"] is None
     stack.recorder.fail_next = ConnectionError("again")
-    with pytest.raises(openai.InternalServerError):  # the OpenAI endpoint reports to the same account
+    with pytest.raises(openai.InternalServerError):
         await stack.openai(token).chat.completions.create(model="tiny", messages=user)
-    assert (await status())["last_infra_refusal"].startswith("500 ")
     await client.messages.create(model="tiny", max_tokens=20, messages=user)
-    seen = await status()
-    assert seen["last_infra_refusal"] is None and seen["answered"] == 1 and seen["infra_refusals"] == 2
+    assert stream_types(stack, "exec-s") == ["call.refused"] * 3 + ["call.completed"]
+    refusals = stack.recorder.refusals("exec-s")
+    assert [(r.status, r.kind, r.infra, r.api) for r in refusals] == [
+        (500, "api_error", True, "anthropic"), (400, "invalid_request_error", False, "anthropic"),
+        (500, "api_error", True, "openai")]
+    assert "postgres went away" in refusals[0].reason and "again" in refusals[2].reason
     # No capacity: exec-s holds the worker's only slot, so another execution is refused with 429.
     with pytest.raises(anthropic.RateLimitError):
-        await stack.anthropic(stack.registry.register("exec-c")).messages.create(model="tiny", max_tokens=20,
-                                                                               messages=user)
-    async with stack.http() as http:
-        assert (await http.get("/internal/executions/exec-c")).json()["last_infra_refusal"].startswith("429 ")
-        await http.delete("/internal/executions/exec-s")  # the end event makes the gateway forget it
-        gone = (await http.get("/internal/executions/exec-s")).json()
-    assert gone["known"] is False and gone["last_infra_refusal"] is None
+        await stack.anthropic(stack.token("exec-c")).messages.create(model="tiny", max_tokens=20, messages=user)
+    (busy,) = stack.recorder.refusals("exec-c")
+    assert busy.status == 429 and busy.infra and busy.answered == 0
+    # Only what the agent was told: no token, header or body in the event.
+    assert token not in json.dumps([r.model_dump() for r in stack.recorder.refusals()])
 
 
-async def test_the_execution_status_api_needs_the_admin_token_when_one_is_set() -> None:
-    from httpx import ASGITransport, AsyncClient
-
-    from services.rollout.gateway import create_app
-
+async def test_a_refusal_is_written_before_its_error_is_answered() -> None:
     stack = build_stack([ScriptedEngine(CODEC)], CODEC)
-    app = create_app(stack.core, stack.registry, admin_token="admin-secret-token")
-    async with AsyncClient(transport=ASGITransport(app=app), base_url="http://gw") as http:
-        assert (await http.get("/internal/executions/exec-x")).status_code == 401
-        r = await http.get("/internal/executions/exec-x", headers={"x-api-key": "admin-secret-token"})
-        assert r.status_code == 200 and r.json()["known"] is False
+    storage = stack.recorder.storage
+    entered, release = asyncio.Event(), asyncio.Event()
+    append = storage.append_events
+
+    async def gated(events):
+        entered.set()
+        await release.wait()
+        await append(events)
+
+    storage.append_events = gated  # type: ignore[method-assign]
+    call = asyncio.create_task(stack.anthropic(stack.token("exec-o")).messages.create(
+        model="tiny", max_tokens=10, messages=[]))
+    await asyncio.wait_for(entered.wait(), 10)
+    await asyncio.sleep(0.05)
+    assert not call.done()  # the agent has no answer while its refusal is being written
+    release.set()
+    with pytest.raises(anthropic.BadRequestError):
+        await call
+    assert [r.status for r in stack.recorder.refusals("exec-o")] == [400]
+
+
+async def test_a_refusal_that_cannot_be_written_is_answered_all_the_same() -> None:
+    stack = build_stack([ScriptedEngine(CODEC)], CODEC)
+
+    async def down(events):
+        raise ConnectionError("postgres went away")
+
+    stack.recorder.storage.append_events = down  # type: ignore[method-assign]
+    with pytest.raises(anthropic.BadRequestError, match="at least one message"):
+        await stack.anthropic(stack.token("exec-d")).messages.create(model="tiny", max_tokens=10, messages=[])
+    assert stack.recorder.events == []
+
+
+async def test_a_started_event_is_taken_up_once_and_never_over_a_first_call() -> None:
+    """`execution.started` may arrive after the agent's first call (the event bus lags): the execution that call
+    settled is left as it is. A second delivery changes nothing, and an ended execution is not taken up again."""
+    stack = build_stack([ScriptedEngine(CODEC), ScriptedEngine(CODEC)], CODEC)
+    storage = stack.recorder.storage
+    reads: list[str] = []
+    read = storage.read_execution
+
+    async def counted(execution_id):
+        reads.append(execution_id)
+        return await read(execution_id)
+
+    storage.read_execution = counted  # type: ignore[method-assign]
+    started = stack.start("exec-t", seed=3, call_budget=5, cell_id="cell-1")
+    stack.core.take_up(started)  # delivered twice
+    await asyncio.sleep(0.05)
+    assert reads == ["exec-t"]  # one read, started by the take-up
+    client = stack.anthropic(stack.token("exec-t"))
+    user = [{"role": "user", "content": "hi"}]
+    await client.messages.create(model="tiny", max_tokens=5, messages=user)
+    assert reads == ["exec-t"]  # the first call found the log read
+    assert stack.core.router.worker_of("exec-t") == "w1"
+
+    # A first call settles an execution whose start has not arrived; the late start changes nothing.
+    late = stack.log(started.model_copy(update={"execution_id": "exec-late", "cell_id": "cell-1"}))
+    await stack.anthropic(stack.token("exec-late")).messages.create(model="tiny", max_tokens=5, messages=user)
+    placed, answered = stack.core.router.worker_of("exec-late"), stack.core.executions["exec-late"].answered
+    stack.core.take_up(late.data)
+    assert stack.core.router.worker_of("exec-late") == placed and "exec-late" not in stack.core.router.preferred
+    assert stack.core.executions["exec-late"].answered == answered == 1
+    stack.core.end_execution("exec-late")
+    stack.core.take_up(late.data)  # redelivered after its end
+    assert "exec-late" not in stack.core.executions and "exec-late" not in stack.recorder._lines
 
 
 async def test_a_refusal_after_an_execution_ended_does_not_bring_its_state_back() -> None:
-    """A call still in flight when the execution's end event arrives may fail afterwards; nothing is kept for it."""
-    from services.rollout.errors import ApiError
-
+    """A call still in flight when the execution's end event arrives may fail afterwards; nothing is kept for it
+    and nothing is written to the closed log."""
     stack = build_stack([ScriptedEngine(CODEC)], CODEC)
-    token = stack.registry.register("exec-end")
+    token = stack.token("exec-end")
     await stack.anthropic(token).messages.create(model="tiny", max_tokens=20, messages=[{"role": "user", "content": "hi"}])
     assert "exec-end" in stack.core.executions
     stack.core.end_execution("exec-end")
-    stack.core.note_refusal("exec-end", ApiError("rate_limit_error", "late"))
-    assert "exec-end" not in stack.core.executions
+    await stack.core.refuse("exec-end", ApiError("rate_limit_error", "late"), api="anthropic")
+    assert "exec-end" not in stack.core.executions and stack.recorder.refusals() == []
     async with stack.http() as http:  # every endpoint authenticates before it reads a body
         for path in ("/v1/messages", "/v1/messages/count_tokens", "/v1/chat/completions"):
             r = await http.post(path, content=b"{not json", headers={"x-api-key": "gyre-not-a-token"})
@@ -532,8 +573,8 @@ async def test_a_call_generating_when_its_execution_ends_leaves_nothing_behind()
             return await super().generate(prompt, sampling, request_id)
 
     stack = build_stack([GatedEngine(CODEC)], CODEC)
-    token = stack.registry.register("exec-late")
-    stack.core.start_execution("exec-late")
+    token = stack.token("exec-late")
+    stack.start("exec-late", seed=1)
     call = asyncio.create_task(stack.anthropic(token).messages.create(
         model="tiny", max_tokens=20, messages=[{"role": "user", "content": "hi"}]))
     for _ in range(200):

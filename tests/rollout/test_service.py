@@ -1,27 +1,47 @@
-"""The gateway service process wiring: real HTTP, NATS to a worker, calls in Postgres, executions ending."""
+"""The rollout service processes' wiring: the gateway (real HTTP, NATS to a worker, calls and refusals in Postgres,
+executions taken up from their start and ended by their end) and the worker service (weights, drains and what
+it reports of them in the log)."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import anthropic
 import httpx2
+import numpy as np
 import pytest
 
+from gyre.tinymodel import create_tiny_model
 from services.rollout.codec import TokenizerCodec
-from shared.execution_tokens import derive_execution_token
-from services.rollout.service import RolloutGatewayService, RolloutSettings
+from services.rollout.protocol import GenerateRequest, SamplingSpec, TokenPayload
+from services.rollout.service import (
+    RolloutGatewayService,
+    RolloutSettings,
+    RolloutWorkerService,
+    TokenSecretMissing,
+)
 from services.rollout.transport import WorkerServer
 from services.rollout.worker import RolloutWorker
 from shared.blobs import Blobs
 from shared.bus import Bus
-from shared.events import CallCompleted, ExecutionFinished, new_event
+from shared.calls import call_seed
+from shared.events import (
+    CallCompleted,
+    CallRefused,
+    CellDrained,
+    CellDraining,
+    ExecutionFinished,
+    ExecutionStarted,
+    KvMigrated,
+    WeightsLoaded,
+    new_event,
+)
+from shared.execution_tokens import derive_execution_token
 from shared.settings import Settings
-from gyre.tinymodel import create_tiny_model
 from tests.conftest import drop_store, make_store, unique
-from tests.rollout.fakes import ScriptedEngine
+from tests.rollout.fakes import CharCodec, LocalWorkers, ScriptedEngine
 
 
 def _free_port() -> int:
@@ -35,7 +55,9 @@ def model_dir(tmp_path_factory):
     return create_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)
 
 
-async def test_gateway_service_records_calls_and_forgets_finished_executions(infra, model_dir) -> None:
+async def test_gateway_service_takes_up_started_executions_records_calls_and_refusals_and_ends_them(
+    infra, model_dir
+) -> None:
     store = await make_store(infra.database_url)
     prefix = unique("t")
     settings = Settings(database_url=infra.database_url, nats_url=infra.nats_url, db_schema=store.schema,
@@ -44,12 +66,25 @@ async def test_gateway_service_records_calls_and_forgets_finished_executions(inf
     service = RolloutGatewayService(settings, RolloutSettings(port=port, token_secret="s3cret", max_model_len=4096))
     worker_bus = await Bus.connect(infra.nats_url, prefix=prefix)
     codec = TokenizerCodec.from_model_dir(model_dir)
-    worker = RolloutWorker(ScriptedEngine(codec, lambda p: "all good"), worker_id="w", cell_id="cell-w")
+    engine = ScriptedEngine(codec, lambda p: "all good")
+    worker = RolloutWorker(engine, worker_id="w", cell_id="cell-w")
     server = await WorkerServer(worker, worker_bus, heartbeat_s=0.2).start()
     await service.start()
     try:
         while not service.core.router.directory.live():
             await asyncio.sleep(0.05)
+        # The harness appends execution.started (the relay publishes it): the gateway takes the execution up
+        # before its agent calls, reading its log and preferring the cell it was placed on.
+        started = new_event(ExecutionStarted(execution_id="exec-svc", query_id="q", task_id="t", group_size=1,
+                                             sample_index=0, seed=5, call_budget=3, cell_id="cell-w"),
+                            run_id="run-svc", stream_id="execution-exec-svc", version=1, occurred_at=datetime.now(UTC))
+        await store.append([started])
+        await service.bus.publish(started)
+        for _ in range(100):
+            if "exec-svc" in service.core.executions:
+                break
+            await asyncio.sleep(0.05)
+        assert "exec-svc" in service.core.executions and "exec-svc" in service.core.recorder._lines
         token = derive_execution_token(b"s3cret", "exec-svc")
         client = anthropic.AsyncAnthropic(api_key=token, base_url=f"http://127.0.0.1:{port}", max_retries=0,
                                           http_client=httpx2.AsyncClient())
@@ -61,12 +96,16 @@ async def test_gateway_service_records_calls_and_forgets_finished_executions(inf
             except anthropic.APIConnectionError:
                 await asyncio.sleep(0.1)
         assert msg.content[0].text == "all good"
+        assert [s.seed for s in engine.samplings] == [call_seed(5, 0)]  # the seed its start gave
+        with pytest.raises(anthropic.BadRequestError):
+            await client.messages.create(model="gyre-tiny", max_tokens=8, messages=[])
         stored = await store.read_stream("execution-exec-svc")
-        assert [type(s.event.data) for s in stored] == [CallCompleted]
-        assert stored[0].event.data.cell_id == "cell-w"
+        assert [type(s.event.data) for s in stored] == [ExecutionStarted, CallCompleted, CallRefused]
+        assert stored[1].event.data.cell_id == "cell-w"
+        assert stored[2].event.data.status == 400 and stored[2].event.data.answered == 1
         # execution.finished (as the relay would publish it) revokes the token and ends the worker's session.
         finished = new_event(ExecutionFinished(execution_id="exec-svc", elapsed_s=1.0, calls=1), run_id="run-svc",
-                             stream_id="execution-exec-svc", version=2, occurred_at=datetime.now(UTC))
+                             stream_id="execution-exec-svc", version=4, occurred_at=datetime.now(UTC))
         await service.bus.publish(finished)
         for _ in range(100):
             if not worker.sessions:
@@ -84,13 +123,16 @@ async def test_gateway_service_records_calls_and_forgets_finished_executions(inf
         await drop_store(store)
 
 
+def test_the_gateway_will_not_start_without_the_token_secret() -> None:
+    with pytest.raises(TokenSecretMissing, match="GYRE_ROLLOUT_TOKEN_SECRET"):
+        RolloutGatewayService(Settings(run_id="run-x"), RolloutSettings(token_secret=""))
+
+
 async def test_worker_service_loads_published_weights_from_the_blob_store(store) -> None:
     import torch
     from safetensors.torch import save
 
-    from services.rollout.service import RolloutWorkerService
     from shared.events import WeightsPublished
-    from tests.rollout.fakes import CharCodec
 
     class RecordingEngine(ScriptedEngine):
         loaded: dict = {}
@@ -117,12 +159,6 @@ async def test_worker_service_loads_published_weights_from_the_blob_store(store)
 async def test_worker_drains_only_on_its_own_rollout_drain_issued_after_it_started() -> None:
     """The per-cell durable outlives the worker: a new worker must not obey the cell's earlier drains, nor
     the order for leaving the train role (rollout → train → rollout)."""
-    from datetime import timedelta
-
-    from services.rollout.service import RolloutWorkerService
-    from shared.events import CellDraining
-    from tests.rollout.fakes import CharCodec
-
     service = RolloutWorkerService(Settings(run_id="run-d"), RolloutSettings(cell_id="cell-3"))
     service.worker = RolloutWorker(ScriptedEngine(CharCodec()), worker_id="w3", cell_id="cell-3")
 
@@ -138,11 +174,7 @@ async def test_worker_drains_only_on_its_own_rollout_drain_issued_after_it_start
 
 
 async def test_worker_carries_out_only_moves_ordered_off_its_own_cell() -> None:
-    from datetime import timedelta
-
-    from services.rollout.service import RolloutWorkerService
     from shared.events import KvMigrationOrdered
-    from tests.rollout.fakes import CharCodec
 
     service = RolloutWorkerService(Settings(run_id="run-o"), RolloutSettings(cell_id="cell-3"))
     service.worker = RolloutWorker(ScriptedEngine(CharCodec()), worker_id="w3", cell_id="cell-3")
@@ -163,3 +195,82 @@ async def test_worker_carries_out_only_moves_ordered_off_its_own_cell() -> None:
         await service.handle(event)
     await asyncio.sleep(0)  # the move runs as a task of its own
     assert moves == [("e1", "cell-5")]
+
+
+def _generate(execution_id: str) -> GenerateRequest:
+    prompt = np.arange(100, 140, dtype=np.int32)
+    return GenerateRequest(request_id="r", execution_id=execution_id, base_len=0,
+                           delta=TokenPayload(count=len(prompt)), sampling=SamplingSpec(max_tokens=5))
+
+
+async def test_a_drain_order_is_reported_as_cell_drained_after_every_kv_migrated(store) -> None:
+    """The cell agent learns a drain's end from the log: `cell.drained`, caused by the order, after the
+    `kv.migrated` of each session it moved, with the counts."""
+    service = RolloutWorkerService(Settings(run_id="run-d"), RolloutSettings(cell_id="cell-0"))
+    service.store = store
+    local = LocalWorkers()
+    source = local.add(RolloutWorker(ScriptedEngine(CharCodec()), worker_id="w0", cell_id="cell-0",
+                                     emit=service._emit_data))
+    local.add(RolloutWorker(ScriptedEngine(CharCodec()), worker_id="w1", cell_id="cell-1"))
+    service.worker = source
+    prompt = np.arange(100, 140, dtype=np.int32)
+    for execution_id in ("e1", "e2"):
+        assert (await source.generate(_generate(execution_id), prompt)).status == "ok"
+    order = new_event(CellDraining(cell_id="cell-0", from_role="rollout", live_sessions=2), run_id="run-d",
+                      stream_id="cell-0", version=1, occurred_at=service.process_started_at + timedelta(seconds=1))
+    assert await service.handle(order) is None  # the drain runs as a task of its own, not in the handler
+    await asyncio.wait_for(asyncio.gather(*service._tasks), 10)
+    stored = [s.event for s in await store.read_stream("cell-0")]
+    assert [e.type for e in stored] == ["kv.migrated", "kv.migrated", "cell.drained"]
+    assert {e.data.execution_id for e in stored if isinstance(e.data, KvMigrated)} == {"e1", "e2"}
+    drained = stored[-1]
+    assert isinstance(drained.data, CellDrained) and drained.causation_id == order.event_id
+    assert (drained.data.worker_id, drained.data.migrated_sessions, drained.data.parked_sessions) == ("w0", 2, 0)
+    assert source.state == "drained"
+
+
+async def test_a_drain_with_no_worker_to_take_its_sessions_reports_them_parked(store) -> None:
+    service = RolloutWorkerService(Settings(run_id="run-p"), RolloutSettings(cell_id="cell-0"))
+    service.store = store
+    local = LocalWorkers()
+    alone = local.add(RolloutWorker(ScriptedEngine(CharCodec()), worker_id="w0", cell_id="cell-0",
+                                    emit=service._emit_data))
+    service.worker = alone
+    assert (await alone.generate(_generate("e1"), np.arange(100, 140, dtype=np.int32))).status == "ok"
+    order = new_event(CellDraining(cell_id="cell-0", from_role="rollout", live_sessions=1), run_id="run-p",
+                      stream_id="cell-0", version=1, occurred_at=service.process_started_at + timedelta(seconds=1))
+    drained = await service.drain(order)
+    assert (drained.migrated_sessions, drained.parked_sessions) == (0, 1)
+    assert "parked (no active worker" in drained.detail and "failed" not in drained.detail
+    assert alone.state == "draining" and list(alone.sessions) == [("e1", "main")]
+    assert [s.event.type for s in await store.read_stream("cell-0")] == ["cell.drained"]
+
+
+async def test_the_worker_service_says_it_serves_its_weights_once_it_is_serving(infra, tmp_path, monkeypatch) -> None:
+    """`weights.loaded` at start-up, after the worker has its first weights and answers requests: how the cell
+    agent learns from the log that the cell is ready, and which version it serves."""
+    import services.rollout.engine as engine_module
+
+    class WarmEngine(ScriptedEngine):
+        async def warm_up(self) -> float:
+            return 0.0
+
+    monkeypatch.setattr(engine_module, "prepare_cpu_environment", lambda work_dir: None)
+    monkeypatch.setattr(engine_module.VllmEngine, "start", classmethod(lambda cls, config: WarmEngine(CharCodec())))
+    store = await make_store(infra.database_url)
+    prefix = unique("t")
+    settings = Settings(database_url=infra.database_url, nats_url=infra.nats_url, db_schema=store.schema,
+                        subject_prefix=prefix, model_dir=tmp_path, state_dir=tmp_path, run_id="run-ready")
+    service = RolloutWorkerService(settings, RolloutSettings(cell_id="cell-7", heartbeat_s=0.2))
+    await service.start()
+    try:
+        loaded = [s.event.data for s in await store.read_stream("cell-7")]
+        assert loaded == [WeightsLoaded(cell_id="cell-7", worker_id="cell-7", version=0)]
+        assert service.server is not None and service.server.subscriptions  # serving before it said so
+    finally:
+        service.stop_event.set()
+        await service.stop()
+        bus = await Bus.connect(infra.nats_url, prefix=prefix)
+        await bus.delete_streams()  # the service created its streams under this test's prefix
+        await bus.close()
+        await drop_store(store)

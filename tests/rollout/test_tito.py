@@ -6,9 +6,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from services.rollout.call_log import CallLog
 from services.rollout.codec import reply_message
 from services.rollout.conversation import ChatMessage, Conversation, ToolSpec
-from services.rollout.recording import ExecutionLog
 from services.rollout.tito import TitoState
 from shared.chat import format_tool_call
 from tests.rollout.fakes import CharCodec
@@ -33,13 +33,13 @@ def _generate(text: str) -> np.ndarray:
     return np.asarray(CODEC.encode(text) + [CODEC.end_of_turn_id], dtype=np.int32)
 
 
-def _run_turns(state: TitoState, log: ExecutionLog, conv: Conversation, reply_texts: list[str],
+def _run_turns(state: TitoState, log: CallLog, conv: Conversation, reply_texts: list[str],
                results: list[str]) -> tuple[list, Conversation]:
     plans = []
     for i, text in enumerate(reply_texts):
         plan = state.plan(conv, CODEC)
         completion = _generate(text)
-        placement = log.place(plan.prompt)
+        placement = log.place(plan.prompt, chain_id=plan.chain_id)
         log.add(placement, plan.prompt, completion)
         reply = reply_message(text)
         state.commit(plan, completion=completion, reply=reply, codec=CODEC)
@@ -54,7 +54,7 @@ def _run_turns(state: TitoState, log: ExecutionLog, conv: Conversation, reply_te
 @settings(max_examples=60, deadline=None)
 @given(st.lists(replies, min_size=1, max_size=8), st.lists(texts, min_size=8, max_size=8))
 def test_continuations_stay_on_one_path_and_equal_fresh_tokenization(reply_texts: list[str], results: list[str]) -> None:
-    state, log = TitoState(), ExecutionLog()
+    state, log = TitoState(), CallLog()
     conv = Conversation(
         messages=(ChatMessage(role="system", content="be brief"), ChatMessage(role="user", content="start")),
         tools=TOOLS,
@@ -107,8 +107,8 @@ def test_tool_call_reply_reuses_generated_json_spacing() -> None:
     assert not np.array_equal(plan2.prompt, np.asarray(CODEC.encode(plan2.prompt_text)))
 
 
-def test_edited_history_is_rendered_afresh_and_recorded_as_fork() -> None:
-    state, log = TitoState(), ExecutionLog()
+def test_edited_history_is_rendered_afresh_and_recorded_as_compaction() -> None:
+    state, log = TitoState(), CallLog()
     conv = Conversation(messages=(ChatMessage(role="user", content="task one"),))
     plans, conv2 = _run_turns(state, log, conv, ["first", "second"], ["next", "again"])
     # A harness that rewrites the first user message (e.g. compaction into a summary).
@@ -116,18 +116,19 @@ def test_edited_history_is_rendered_afresh_and_recorded_as_fork() -> None:
     plan = state.plan(compacted, CODEC)
     assert plan.reused is None
     assert np.array_equal(plan.prompt, np.asarray(CODEC.encode(plan.prompt_text), dtype=np.int32))
-    placement = log.place(plan.prompt)
-    assert placement.branch_hint == "fork"
+    placement = log.place(plan.prompt, chain_id=plan.chain_id)
+    # Shorter than the chain's previous call, and leaving it in its context (the first user message).
+    assert placement.branch_hint == "compaction" and placement.head_call_index == 1
     assert plan.chain_id == "main"  # same system prompt and tools: the same agent chain
 
 
 def test_resending_the_same_request_is_a_retry_with_identical_prompt() -> None:
-    state, log = TitoState(), ExecutionLog()
+    state, log = TitoState(), CallLog()
     conv = Conversation(messages=(ChatMessage(role="user", content="hello"),))
     plans, _ = _run_turns(state, log, conv, ["a"], ["b"])
     again = state.plan(conv, CODEC)
     assert np.array_equal(again.prompt, plans[0][0].prompt)
-    assert log.place(again.prompt).branch_hint == "retry"
+    assert log.place(again.prompt, chain_id=again.chain_id).branch_hint == "retry"
 
 
 def test_echo_with_stripped_whitespace_still_continues() -> None:
@@ -142,7 +143,7 @@ def test_echo_with_stripped_whitespace_still_continues() -> None:
 
 
 def test_a_different_system_prompt_starts_a_new_chain() -> None:
-    state, log = TitoState(), ExecutionLog()
+    state, log = TitoState(), CallLog()
     main = Conversation(messages=(ChatMessage(role="system", content="main agent"),
                                   ChatMessage(role="user", content="do it")), tools=TOOLS)
     _run_turns(state, log, main, ["ok"], ["go"])
@@ -150,7 +151,7 @@ def test_a_different_system_prompt_starts_a_new_chain() -> None:
                                  ChatMessage(role="user", content="part")))
     plan = state.plan(sub, CODEC)
     assert plan.chain_id == "chain-1"
-    assert log.place(plan.prompt, new_chain=True).branch_hint == "delegation"
+    assert log.place(plan.prompt, chain_id=plan.chain_id).branch_hint == "delegation"
 
 
 def test_reply_cut_by_max_tokens_is_closed_with_end_of_turn_before_reuse() -> None:
@@ -168,14 +169,14 @@ def test_reply_cut_by_max_tokens_is_closed_with_end_of_turn_before_reuse() -> No
 
 
 def test_anchor_memory_is_bounded() -> None:
-    state, log = TitoState(max_anchors=4), ExecutionLog()
+    state, log = TitoState(max_anchors=4), CallLog()
     conv = Conversation(messages=(ChatMessage(role="user", content="x"),))
     _run_turns(state, log, conv, [f"r{i}" for i in range(6)], [f"u{i}" for i in range(6)])
     assert len(state.anchors) == 4
 
 
 def test_a_long_conversation_holds_its_ids_once_not_once_a_call() -> None:
-    state, log = TitoState(), ExecutionLog()
+    state, log = TitoState(), CallLog()
     conv = Conversation(messages=(ChatMessage(role="user", content="start"),))
     plans, _ = _run_turns(state, log, conv, [" ".join([f"reply {i}"] * 5) for i in range(30)],
                            [" ".join([f"result {i}"] * 20) for i in range(30)])
@@ -190,7 +191,7 @@ def test_a_long_conversation_holds_its_ids_once_not_once_a_call() -> None:
 
 
 def test_counting_tokens_and_an_uncommitted_plan_leave_the_next_prompt_unchanged() -> None:
-    state, log = TitoState(), ExecutionLog()
+    state, log = TitoState(), CallLog()
     conv = Conversation(messages=(ChatMessage(role="user", content="start"),))
     _, conv = _run_turns(state, log, conv, ["one", "two"], ["r1", "r2"])
     expected = np.asarray(CODEC.encode(CODEC.render(conv, add_generation_prompt=True)), dtype=np.int32)

@@ -7,12 +7,12 @@ import asyncio
 import pytest
 import pytest_asyncio
 
+from gyre.tinymodel import create_tiny_model
 from services.rollout import anthropic_api
 from services.rollout.codec import TokenizerCodec
 from services.rollout.protocol import DrainRequest, SamplingSpec
 from shared.calls import CallTokens
 from shared.events import KvMigrated
-from gyre.tinymodel import create_tiny_model
 from tests.rollout.fakes import build_stack
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
@@ -61,10 +61,10 @@ async def test_live_session_moves_to_another_worker_with_its_kv_and_continues_id
     a, _ = engines
     stack, codec, events = two_workers(engines, model_dir)
     w0, w1 = stack.local.workers["w0"], stack.local.workers["w1"]
-    client = stack.anthropic(stack.registry.register("m-1"))
+    client = stack.anthropic(stack.token("m-1"))
     turn1 = [{"role": "user", "content": "Look at the repository and report."}]
     msg = await client.messages.create(model="tiny", system=SYSTEM, max_tokens=16, extra_body=GREEDY, messages=turn1)
-    other = stack.anthropic(stack.registry.register("m-2"))
+    other = stack.anthropic(stack.token("m-2"))
     await other.messages.create(model="tiny", system=SYSTEM, max_tokens=8, messages=turn1)
     assert stack.core.router.worker_of("m-1") == stack.core.router.worker_of("m-2") == "w0"
 
@@ -116,7 +116,7 @@ async def test_an_ordered_move_takes_one_execution_with_its_kv_and_leaves_the_ot
     stack, _, events = two_workers(engines, model_dir)
     w0, w1 = stack.local.workers["w0"], stack.local.workers["w1"]
     turn1 = [{"role": "user", "content": "Look at the repository and report."}]
-    mover, stayer = stack.anthropic(stack.registry.register("o-1")), stack.anthropic(stack.registry.register("o-2"))
+    mover, stayer = stack.anthropic(stack.token("o-1")), stack.anthropic(stack.token("o-2"))
     msg = await mover.messages.create(model="tiny", system=SYSTEM, max_tokens=16, extra_body=GREEDY, messages=turn1)
     await stayer.messages.create(model="tiny", system=SYSTEM, max_tokens=8, messages=turn1)
     w1.state = "active"

@@ -9,9 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.rollout.protocol import DrainRequest, GenerateRequest, SamplingSpec, TokenPayload, tokens_digest
-from services.rollout.router import NoCapacity, Router, WorkerDirectory
 from services.rollout.kv_handoff import kv_prompt
+from services.rollout.protocol import (
+    DrainRequest,
+    GenerateRequest,
+    SamplingSpec,
+    TokenPayload,
+    tokens_digest,
+)
+from services.rollout.router import NoCapacity, Router, WorkerDirectory
 from services.rollout.worker import RolloutWorker
 from shared.events import KvMigrated, KvMigrationRefused
 from tests.rollout.fakes import CharCodec, LocalWorkers, ScriptedEngine, build_stack
@@ -47,7 +53,7 @@ async def test_worker_keeps_history_and_accepts_deltas() -> None:
 
 async def test_weight_reload_waits_for_in_flight_calls_and_stamps_the_new_version() -> None:
     stack = build_stack([ScriptedEngine(CODEC)], CODEC)
-    client = stack.anthropic(stack.registry.register("exec-w"))
+    client = stack.anthropic(stack.token("exec-w"))
     before = await client.messages.create(model="tiny", max_tokens=100, messages=USER)
     await stack.local.workers["w0"].apply_weights(3, {"version": 3})
     after = await client.messages.create(model="tiny", max_tokens=100, messages=USER)
@@ -64,7 +70,7 @@ async def test_drain_moves_sessions_and_the_next_call_continues_on_the_target() 
     stack = build_stack([ScriptedEngine(CODEC), ScriptedEngine(CODEC)], CODEC, emit=emit)
     stack.local.workers["w1"].state = "draining"  # force placement on w0 first
     stack.refresh()
-    client = stack.anthropic(stack.registry.register("exec-m"))
+    client = stack.anthropic(stack.token("exec-m"))
     msg = await client.messages.create(model="tiny", max_tokens=100, messages=USER)
     assert stack.core.router.worker_of("exec-m") == "w0"
     stack.local.workers["w1"].state = "active"
@@ -83,7 +89,7 @@ async def test_drain_moves_sessions_and_the_next_call_continues_on_the_target() 
     # The target got only the delta: its prefill of the adopted history was the one extra prompt.
     assert len(stack.engines[1].prompts) == 2
     # New executions avoid the drained worker.
-    await stack.anthropic(stack.registry.register("exec-n")).messages.create(model="tiny", max_tokens=50,
+    await stack.anthropic(stack.token("exec-n")).messages.create(model="tiny", max_tokens=50,
                                                                            messages=USER)
     assert stack.core.router.worker_of("exec-n") == "w1"
 
@@ -94,7 +100,7 @@ async def test_an_execution_that_ends_after_its_session_moved_is_ended_where_the
     stack = build_stack([ScriptedEngine(CODEC), ScriptedEngine(CODEC)], CODEC)
     stack.local.workers["w1"].state = "draining"
     stack.refresh()
-    await stack.anthropic(stack.registry.register("exec-z")).messages.create(model="tiny", max_tokens=50,
+    await stack.anthropic(stack.token("exec-z")).messages.create(model="tiny", max_tokens=50,
                                                                            messages=USER)
     stack.local.workers["w1"].state = "active"
     stack.refresh()
@@ -175,7 +181,7 @@ async def test_request_in_flight_during_drain_completes_then_migrates() -> None:
     stack = build_stack([SlowEngine(CODEC), ScriptedEngine(CODEC)], CODEC)
     stack.local.workers["w1"].state = "draining"
     stack.refresh()
-    client = stack.anthropic(stack.registry.register("exec-f"))
+    client = stack.anthropic(stack.token("exec-f"))
     call = asyncio.create_task(client.messages.create(model="tiny", max_tokens=100, messages=USER))
     await asyncio.sleep(0.05)
     stack.local.workers["w1"].state = "active"
@@ -193,7 +199,7 @@ async def test_request_in_flight_during_drain_completes_then_migrates() -> None:
 
 async def test_unreachable_worker_is_routed_around() -> None:
     stack = build_stack([ScriptedEngine(CODEC), ScriptedEngine(CODEC)], CODEC)
-    client = stack.anthropic(stack.registry.register("exec-u"))
+    client = stack.anthropic(stack.token("exec-u"))
     await client.messages.create(model="tiny", max_tokens=50, messages=USER)
     first = stack.core.router.worker_of("exec-u")
     stack.local.down.add(first)
@@ -297,7 +303,7 @@ async def test_kv_migration_falls_back_to_recompute_when_the_target_loads_nothin
     stack = build_stack([KvEngine(CODEC), ScriptedEngine(CODEC)], CODEC, emit=emit)
     stack.local.workers["w1"].state = "draining"
     stack.refresh()
-    await stack.anthropic(stack.registry.register("exec-k")).messages.create(
+    await stack.anthropic(stack.token("exec-k")).messages.create(
         model="tiny", max_tokens=50, messages=[{"role": "user", "content": "x" * 200}])
     stack.local.workers["w1"].state = "active"
     stack.refresh()
@@ -414,7 +420,22 @@ async def test_an_adopt_that_fails_leaves_no_copy_on_the_target() -> None:
     workers[1].engine.fail_next = RuntimeError("engine hiccup")
     reply = await workers[0].drain(DrainRequest())
     assert not reply.ok and "engine hiccup" in reply.detail
+    assert len(reply.failed) == 1 and reply.parked == [] and "moves failed" in reply.detail
     assert list(workers[0].sessions) == [("X", "main")] and not workers[1].sessions
+
+
+async def test_a_drain_tells_sessions_parked_for_want_of_a_worker_from_moves_that_failed() -> None:
+    """No other active worker: the sessions stay here, parked, which is not a failed move (the cell agent may wait
+    for a peer); the worker stays draining, as it does when a move fails."""
+    _, workers, router, _ = _pool([ScriptedEngine(CODEC), ScriptedEngine(CODEC)])
+    await _start_on(router, workers, 0, "X")
+    await _start_on(router, workers, 0, "Y")
+    workers[1].state = "draining"
+    reply = await workers[0].drain(DrainRequest())
+    assert not reply.ok and reply.migrated == [] and reply.failed == []
+    assert [p.split(":")[0] for p in reply.parked] == ["X/main", "Y/main"]
+    assert reply.detail.startswith("parked (no active worker takes them): ") and "failed" not in reply.detail
+    assert workers[0].state == "draining" and set(workers[0].sessions) == {("X", "main"), ("Y", "main")}
 
 
 async def test_a_drain_refused_by_a_target_that_is_draining_too_tries_the_next() -> None:

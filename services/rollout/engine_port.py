@@ -1,0 +1,50 @@
+"""The generation engine port: what a rollout worker needs from an engine (`Engine`), what one request returns
+(`EngineOutput`) and its error. The vLLM implementation is `engine.py`; tests use a scripted fake. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from services.rollout.protocol import SamplingSpec
+
+
+class EngineError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class EngineOutput:
+    token_ids: list[int]
+    logprobs: list[float]  # logprob of each generated token under the policy
+    finish_reason: Literal["stop", "length"]
+    stop_sequence: str | None  # the stop string that matched, if any
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix cache or loaded through the KV connector
+
+
+class Engine(Protocol):
+    max_model_len: int
+    block_size: int
+    kv_transfer: bool  # whether a KV connector is configured (migration by KV is possible)
+
+    async def generate(self, prompt: list[int], sampling: SamplingSpec, request_id: str) -> EngineOutput: ...
+
+    async def load_weights(self, state_dict: Mapping[str, Any]) -> None:
+        """Replace the weights in place and drop the prefix cache (it holds KV of the old policy)."""
+        ...
+
+    async def reset_prefix_cache(self) -> None: ...
+
+    def kv_bytes(self, prompt: list[int]) -> int:
+        """Bytes the connector stored for this prompt's saved KV (0 when nothing is stored)."""
+        ...
+
+    def drop_kv(self, prompt: list[int]) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+__all__ = ["Engine", "EngineError", "EngineOutput"]
