@@ -25,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from services.trainer.loss import GspoConfig, gspo_loss  # noqa: E402
 from services.trainer.packed_forward import packed_logprobs, to_tensors  # noqa: E402
 from shared.batch import MicroBatch  # noqa: E402
+from shared.packing import pack_trees  # noqa: E402
+from shared.token_tree import tree_from_sequences  # noqa: E402
 
 VOCAB = 4096
 
@@ -68,72 +70,17 @@ def make_data(args: argparse.Namespace) -> dict[str, Any]:
     return {"trajectories": trajectories, "executions": args.executions}
 
 
-def _shared_len(trajs: list[Any]) -> int:
-    first = trajs[0][0]
-    for i in range(len(first)):
-        if any(t[0][i] != first[i] for t in trajs[1:]):
-            return i
-    return len(first)
-
-
-def tree_micro_batches(data: dict[str, Any]) -> list[MicroBatch]:
-    """One micro-batch per execution tree: shared prefix once, then each branch (pre-order)."""
+def tree_micro_batches(data: dict[str, Any], budget: int) -> list[MicroBatch]:
+    """Each execution's branches merged into one token tree, packed by the shared packer (first-fit-decreasing
+    into micro-batches of at most `budget` tokens), as the trajectory service packs its batches."""
     by_exec: dict[int, list[Any]] = {}
     for e, toks, tgt, mu in data["trajectories"]:
         by_exec.setdefault(e, []).append((toks, tgt, mu))
-    out = []
-    for e, trajs in sorted(by_exec.items()):
-        # Branches share exactly the prefix and (with overwhelming odds) differ in their first token.
-        toks0, tgt0, mu0 = trajs[0]
-        plen = _shared_len(trajs)
-        ids, depth, ends, tpos, ppos, mus = [], [], [], [], [], []
-        for i in range(plen):
-            ids.append(toks0[i]); depth.append(i); ends.append(-1)  # noqa: E702
-            if tgt0[i] and i > 0:
-                tpos.append(i); ppos.append(i - 1); mus.append(mu0[i])  # noqa: E702
-        for toks, tgt, mu in trajs:
-            start = len(ids)
-            for j in range(plen, len(toks)):
-                pos = len(ids)
-                ids.append(toks[j]); depth.append(j); ends.append(start + len(toks) - plen)  # noqa: E702
-                if tgt[j]:
-                    tpos.append(pos); ppos.append(pos - 1 if j > plen else plen - 1); mus.append(mu[j])  # noqa: E702
-        for i in range(plen):
-            ends[i] = len(ids)
-        out.append(
-            MicroBatch.from_lists(
-                input_ids=ids, position_ids=depth, subtree_end=ends, target_pos=tpos, pred_pos=ppos,
-                behaviour_logprob=mus, target_exec=e,
-            )
-        )
-    return out
-
-
-def pack_budget(trees: list[MicroBatch], budget: int) -> list[MicroBatch]:
-    """Concatenate whole trees into micro-batches of at most `budget` tokens, as the trajectory packer does."""
-    groups: list[list[MicroBatch]] = []
-    size = 0
-    for mb in trees:
-        if not groups or size + mb.num_tokens > budget:
-            groups.append([])
-            size = 0
-        groups[-1].append(mb)
-        size += mb.num_tokens
-    out = []
-    for group in groups:
-        offsets = np.cumsum([0] + [mb.num_tokens for mb in group[:-1]])
-        shifted = ("subtree_end", "target_pos", "pred_pos")
-        out.append(
-            MicroBatch(
-                **{
-                    name: np.concatenate(
-                        [getattr(mb, name) + (off if name in shifted else 0) for mb, off in zip(group, offsets, strict=True)]
-                    ).astype(getattr(group[0], name).dtype)
-                    for name in MicroBatch._ARRAYS
-                }
-            )
-        )
-    return out
+    trees = [
+        (tree_from_sequences([t[0] for t in trajs], [t[1] for t in trajs], logprobs=[t[2] for t in trajs]).tree, e)
+        for e, trajs in sorted(by_exec.items())
+    ]
+    return pack_trees(trees, budget)
 
 
 def _peak_mb() -> float:
@@ -179,7 +126,7 @@ class _Variant:
         self.model = make_model()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-6)
         self.data = make_data(args)
-        self.mbs = pack_budget(tree_micro_batches(self.data), args.micro_batch_tokens)
+        self.mbs = tree_micro_batches(self.data, args.micro_batch_tokens)
         # Flat rows per micro-batch: the same token budget, in padded sequences.
         self.rows = max(1, args.micro_batch_tokens // max(len(t[1]) for t in self.data["trajectories"]))
         self.num_exec = self.data["executions"]
@@ -263,7 +210,7 @@ def main() -> None:
     args = ap.parse_args()
 
     data = make_data(args)
-    mbs = pack_budget(tree_micro_batches(data), args.micro_batch_tokens)
+    mbs = tree_micro_batches(data, args.micro_batch_tokens)
     unique = sum(mb.num_tokens for mb in mbs)
     flat = sum(len(t[1]) for t in data["trajectories"])
     timing = _run(_timing, args)

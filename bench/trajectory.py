@@ -17,9 +17,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.trajectory.packing import pack_trees  # noqa: E402
-from services.trajectory.tree import build_tree  # noqa: E402
+from services.trajectory.tree_builder import build_tree  # noqa: E402
 from shared.calls import CallRecord, CallTokens, longest_prefix_parent  # noqa: E402
+from shared.packing import pack_trees  # noqa: E402
 
 VOCAB = 151_000
 COMPACT_AT = 320_000  # tokens of context that trigger a compaction (the harness's context budget)
@@ -127,7 +127,7 @@ def main() -> None:
         assert np.array_equal(tree.tokens[tree.call_positions(i)], writer.sequences[i])
     t0 = time.perf_counter()
     budget = max(65_536, stats.max_depth + 1)
-    micro_batches = pack_trees([(tree, 0)], budget)
+    micro_batches = pack_trees([(tree.token_tree(), 0)], budget)
     pack_s = time.perf_counter() - t0
     build_s = min(times)
     result = {

@@ -131,8 +131,10 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers)
 
 
-def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, precision: Precision = "auto") -> torch.nn.Module:
-    """Shard each decoder layer, then the root (embeddings, final norm, lm_head) over the mesh."""
+def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, precision: Precision = "auto") -> torch.dtype:
+    """Shard each decoder layer, then the root (embeddings, final norm, lm_head) over the mesh. Returns the dtype
+    the sharded model computes in (the mixed-precision policy's parameter dtype, else fp32), which the packed
+    forward needs for its attention masks: the stored parameters stay fp32 either way."""
     device = torch.device(mesh.device_type)
     mp = mixed_precision_policy(precision, device)
     kwargs: dict[str, Any] = {"mesh": mesh}
@@ -143,8 +145,9 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, precision: Precision = 
         # The last layer's parameters are needed again at once by backward: keep them gathered.
         fully_shard(layer, reshard_after_forward=i < len(layers) - 1, **kwargs)
     fully_shard(model, **kwargs)
-    model.gyre_compute_dtype = mp.param_dtype if mp is not None else torch.float32  # type: ignore[assignment]
-    return model
+    if mp is None or mp.param_dtype is None:
+        return torch.float32
+    return mp.param_dtype
 
 
 def set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
@@ -211,7 +214,7 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 def read_trainer_state(path: Path) -> dict[str, Any]:
     try:
-        return json.loads((Path(path) / STATE_FILE).read_text())  # type: ignore[no-any-return]
+        return json.loads((Path(path) / STATE_FILE).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path} has no readable {STATE_FILE}: {exc}") from exc
 

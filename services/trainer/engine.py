@@ -6,7 +6,7 @@ tokens) and runs the same number of forward/backward passes so FSDP's collective
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,9 +33,13 @@ from services.trainer.distributed import (
     set_gradient_sync,
     timed,
 )
-from services.trainer.loss import GspoConfig, execution_log_ratio_sums, gspo_loss
+from services.trainer.loss import GspoConfig, GspoStats, GspoStep, execution_log_ratio_sums, gspo_metrics, gspo_pass
 from services.trainer.packed_forward import DEFAULT_FLEX_THRESHOLD, PackedTensors, packed_logprobs, to_tensors
 from shared.batch import MicroBatch, TrainingBatch
+
+
+# A real pass's loss from its index, its tensors and its logprobs (what `Trainer._optimiser_step` backpropagates).
+PassLoss = Callable[[int, PackedTensors, torch.Tensor], torch.Tensor]
 
 
 class TrainerError(Exception):
@@ -100,10 +104,18 @@ def _to_float(t: Any) -> float:
 class Trainer:
     """One rank. Build with `Trainer.start(...)`; `step(batch)` trains; `save`/`resume` go through DCP."""
 
-    def __init__(self, model: torch.nn.Module, mesh: DeviceMesh, config: TrainerConfig, model_dir: Path) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        mesh: DeviceMesh,
+        config: TrainerConfig,
+        model_dir: Path,
+        compute_dtype: torch.dtype = torch.float32,
+    ) -> None:
         self.model = model
         self.mesh = mesh
         self.config = config
+        self.compute_dtype = compute_dtype  # what the sharded model computes in (distributed.apply_fsdp)
         self.model_dir = Path(model_dir)
         self.device = torch.device(mesh.device_type)
         self.optimizer = torch.optim.AdamW(
@@ -142,8 +154,8 @@ class Trainer:
         model: Any = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
         model.to(torch.device(mesh.device_type))
         model.train()
-        apply_fsdp(model, mesh, config.precision)
-        return cls(model, mesh, config, model_dir)
+        compute_dtype = apply_fsdp(model, mesh, config.precision)
+        return cls(model, mesh, config, model_dir, compute_dtype)
 
     @property
     def rank(self) -> int:
@@ -165,7 +177,9 @@ class Trainer:
         return [(t, True) for t in mine] + [(_dummy_batch(self.device), False)] * (passes - len(mine))
 
     def _logprobs(self, t: PackedTensors) -> torch.Tensor:
-        return packed_logprobs(self.model, t, flex_threshold=self.config.flex_threshold)
+        return packed_logprobs(
+            self.model, t, flex_threshold=self.config.flex_threshold, compute_dtype=self.compute_dtype
+        )
 
     def _all_reduce(self, t: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
         if self.world_size > 1:
@@ -183,6 +197,29 @@ class Trainer:
             discard_gradients(self.model)
             self.optimizer.zero_grad(set_to_none=True)
             raise
+
+    def _optimiser_step(self, passes: list[tuple[PackedTensors, bool]], loss_of: PassLoss) -> tuple[float, float]:
+        """The frame every optimiser step shares: forward and backward each pass (gradient sync on the last only),
+        clip, step, zero the gradients, and advance `step_count` and `policy_version`. `loss_of` gives a real
+        pass's loss from its logprobs; a dummy pass backpropagates `lp.sum()`: zero, but connected to every
+        parameter, so FSDP's collectives stay in step. Returns the loss summed over passes and ranks, and the
+        gradient norm."""
+        scale = float(self.world_size)  # FSDP averages gradients over ranks; the loss is a sum over them
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        with self._discarding_gradients_on_failure():
+            for i, (t, real) in enumerate(passes):
+                set_gradient_sync(self.model, i == len(passes) - 1)
+                lp = self._logprobs(t)
+                loss = loss_of(i, t, lp) if real else lp.sum()
+                (loss * scale).backward()
+                loss_sum += loss.detach().double()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self._all_reduce(loss_sum)
+        self.step_count += 1
+        self.policy_version += 1
+        return float(loss_sum), _to_float(grad_norm)
 
     def step(self, batch: TrainingBatch) -> dict[str, float]:
         """One GSPO optimiser step over the whole batch (all ranks call it with the same batch)."""
@@ -202,15 +239,12 @@ class Trainer:
                 f"the micro-batches hold {counts_np[bad]}"
             )
         dev = self.device
-        advantages = torch.tensor([e.advantage for e in batch.executions], dtype=torch.float32, device=dev)
-        counts = torch.from_numpy(counts_np).to(dev)
-        executions_with_targets = int((counts_np > 0).sum())
         passes = self._local_passes(batch.micro_batches)
 
         # s_e needs every target of e. When an execution spans micro-batches (or pi_old is recomputed), a
         # no-grad pass at the step's starting weights gives the per-execution sums, all-reduced over ranks.
         recompute = self.config.recompute_old_logprobs
-        old: list[torch.Tensor | None] = [None] * len(passes)
+        old: list[torch.Tensor | None] = [None] * len(passes)  # per pass: pi_old, when not mu
         ratio_sums: torch.Tensor | None = None
         if recompute or bool((spans > 1).any()):
             ratio_sums = torch.zeros(num_exec, dtype=torch.float64, device=dev)
@@ -218,113 +252,57 @@ class Trainer:
                 for i, (t, real) in enumerate(passes):
                     lp = self._logprobs(t)
                     if real:
-                        old[i] = lp if recompute else t.behaviour_logprob
-                        ratio_sums += execution_log_ratio_sums(lp, old[i], t.target_exec, num_exec)  # type: ignore[arg-type]
+                        pi_old = old[i] = lp if recompute else t.behaviour_logprob
+                        ratio_sums += execution_log_ratio_sums(lp, pi_old, t.target_exec, num_exec)
             self._all_reduce(ratio_sums)
 
-        scale = float(self.world_size)  # FSDP averages gradients over ranks; the loss is a sum over them
-        loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
-        stats = torch.zeros(5, dtype=torch.float64, device=dev)  # targets, sum w, truncated, |old-mu|, staleness
-        maxes = torch.full((2,), -1e30, dtype=torch.float64, device=dev)  # max w, max staleness
-        after_sums = torch.zeros(num_exec, dtype=torch.float64, device=dev)
-        with self._discarding_gradients_on_failure():
-            for i, (t, real) in enumerate(passes):
-                set_gradient_sync(self.model, i == len(passes) - 1)
-                lp = self._logprobs(t)
-                if real:
-                    o = old[i] if old[i] is not None else t.behaviour_logprob
-                    terms = gspo_loss(
-                        lp,
-                        o,  # type: ignore[arg-type]
-                        t.behaviour_logprob,
-                        t.target_exec,
-                        advantages,
-                        counts,
-                        num_executions=executions_with_targets,
-                        log_ratio_sums=ratio_sums,
-                        config=self.config.loss,
-                    )
-                    loss = terms.loss
-                    after_sums += execution_log_ratio_sums(lp, o, t.target_exec, num_exec)  # type: ignore[arg-type]
-                    stale = (self.policy_version - t.policy_version).double()
-                    n = lp.shape[0]
-                    stats += torch.stack(
-                        [
-                            torch.tensor(float(n), dtype=torch.float64, device=dev),
-                            terms.is_weight.sum(),
-                            terms.is_truncated.double().sum(),
-                            (o.double() - t.behaviour_logprob.double()).abs().sum(),  # type: ignore[union-attr]
-                            stale.sum(),
-                        ]
-                    )
-                    if n:
-                        maxes = torch.maximum(maxes, torch.stack([terms.is_weight.max(), stale.max()]))
-                else:
-                    loss = lp.sum()  # zero, but connected to every parameter
-                (loss * scale).backward()
-                loss_sum += loss.detach().double()
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+        gspo = GspoStep(
+            advantages=torch.tensor([e.advantage for e in batch.executions], dtype=torch.float32, device=dev),
+            exec_num_targets=torch.from_numpy(counts_np).to(dev),
+            num_executions=int((counts_np > 0).sum()),
+            log_ratio_sums=ratio_sums,
+            trainer_version=self.policy_version,
+            config=self.config.loss,
+        )
+        per_pass: list[GspoStats] = []
 
-        self._all_reduce(loss_sum)
-        self._all_reduce(stats)
-        self._all_reduce(after_sums)
-        self._all_reduce(maxes, dist.ReduceOp.MAX)
-        has = counts > 0
-        s_e = torch.exp(after_sums[has] / counts[has].double())
-        adv = advantages.double()[has]
-        lo, hi = 1.0 - self.config.loss.eps_low, 1.0 + self.config.loss.eps_high
-        clipped = ((adv > 0) & (s_e > hi)) | ((adv < 0) & (s_e < lo))
-        targets = max(float(stats[0]), 1.0)
-        metrics = {
-            "loss": float(loss_sum),
-            "clip_fraction": float(clipped.double().mean()) if executions_with_targets else 0.0,
-            "seq_ratio_mean": float(s_e.mean()) if executions_with_targets else 1.0,
-            "seq_ratio_min": float(s_e.min()) if executions_with_targets else 1.0,
-            "seq_ratio_max": float(s_e.max()) if executions_with_targets else 1.0,
-            "is_weight_mean": float(stats[1]) / targets,
-            "is_weight_max": float(maxes[0]) if stats[0] > 0 else 1.0,
-            "is_truncated_fraction": float(stats[2]) / targets,
-            "old_behaviour_abs_diff": float(stats[3]) / targets,
-            "staleness_mean": float(stats[4]) / targets,
-            "staleness_max": float(maxes[1]) if stats[0] > 0 else 0.0,
-            "grad_norm": _to_float(grad_norm),
+        def loss_of(i: int, t: PackedTensors, lp: torch.Tensor) -> torch.Tensor:
+            recomputed = old[i]
+            pi_old = recomputed if recomputed is not None else t.behaviour_logprob
+            loss, stats = gspo_pass(gspo, lp, pi_old, t.behaviour_logprob, t.target_exec, t.policy_version)
+            per_pass.append(stats)
+            return loss
+
+        loss, grad_norm = self._optimiser_step(passes, loss_of)
+        stats = GspoStats.zeros(num_exec, dev)
+        for pass_stats in per_pass:
+            stats = stats.merge(pass_stats)
+        self._all_reduce(stats.totals)
+        self._all_reduce(stats.log_ratio_sums)
+        self._all_reduce(stats.maxima, dist.ReduceOp.MAX)
+        return {
+            "loss": loss,
+            **gspo_metrics(gspo, stats),
+            "grad_norm": grad_norm,
             "unique_tokens": float(sum(mb.num_tokens for mb in batch.micro_batches)),
             "flat_tokens": float(batch.meta.get("flat_tokens", sum(flat_token_count(mb) for mb in batch.micro_batches))),
-            "target_tokens": float(stats[0]),
-            "executions": float(executions_with_targets),
+            "target_tokens": stats.targets,
+            "executions": float(gspo.num_executions),
             "micro_batches": float(len(batch.micro_batches)),
             "world_size": float(self.world_size),
         }
-        self.step_count += 1
-        self.policy_version += 1
-        return metrics
 
     def sft_step(self, micro_batches: list[MicroBatch]) -> dict[str, float]:
         """One cross-entropy step: mean over every unique target token of -log p (same packing and FSDP)."""
         total_targets = sum(mb.num_targets for mb in micro_batches)
         if total_targets == 0:
             raise TrainerError("an SFT step needs at least one target token; the micro-batches hold none")
-        passes = self._local_passes(micro_batches)
-        scale = float(self.world_size)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        with self._discarding_gradients_on_failure():
-            for i, (t, real) in enumerate(passes):
-                set_gradient_sync(self.model, i == len(passes) - 1)
-                lp = self._logprobs(t)
-                loss = -lp.sum() / total_targets if real else lp.sum()
-                (loss * scale).backward()
-                loss_sum += loss.detach().double()
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        self._all_reduce(loss_sum)
-        self.step_count += 1
-        self.policy_version += 1
+        loss, grad_norm = self._optimiser_step(
+            self._local_passes(micro_batches), lambda i, t, lp: -lp.sum() / total_targets
+        )
         return {
-            "loss": float(loss_sum),
-            "grad_norm": _to_float(grad_norm),
+            "loss": loss,
+            "grad_norm": grad_norm,
             "target_tokens": float(total_targets),
             "unique_tokens": float(sum(mb.num_tokens for mb in micro_batches)),
         }
@@ -383,4 +361,4 @@ class Trainer:
         sd = self.full_weights()
         if self.rank != 0:
             return None
-        return safetensors_bytes(sd, self.model.config)  # type: ignore[union-attr]
+        return safetensors_bytes(sd, self.model.config)

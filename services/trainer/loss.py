@@ -1,6 +1,8 @@
-"""The GSPO-adapted policy loss of SPEC §6 as a pure function over per-target tensors, plus its metrics.
+"""The GSPO-adapted policy loss of SPEC §6 as a pure function over per-target tensors, plus its metrics: one
+pass's loss and statistics (`gspo_pass`) and a step's metrics from them (`gspo_metrics`).
 
-No I/O, no randomness: the trainer feeds it logprobs from packed forwards; tests compare it to a loop.
+No I/O, no randomness, no collectives: the trainer feeds it logprobs from packed forwards and all-reduces the
+statistics; tests compare it to a loop.
 """
 
 from __future__ import annotations
@@ -130,3 +132,111 @@ def gspo_loss(
 def staleness(policy_version: torch.Tensor, trainer_version: int) -> torch.Tensor:
     """Versions between the policy that generated each target and the one being trained."""
     return trainer_version - policy_version
+
+
+# ---- one optimiser step's passes: the per-pass loss and the step's metrics ----------------------------------
+
+
+@dataclass(frozen=True)
+class GspoStep:
+    """What every pass of one optimiser step shares: the batch-wide quantities `gspo_loss` normalises by."""
+
+    advantages: torch.Tensor  # [E]
+    exec_num_targets: torch.Tensor  # [E] |T_e| over the whole batch
+    num_executions: int  # executions with at least one target
+    log_ratio_sums: torch.Tensor | None  # [E] over all of T_e (all-reduced), or None when no execution is split
+    trainer_version: int  # the policy version being trained (for staleness)
+    config: GspoConfig
+
+
+@dataclass(frozen=True)
+class GspoStats:
+    """Statistics of some targets towards a step's metrics (fp64, detached); passes and ranks add up (`merge`,
+    or an all-reduce: SUM on `totals` and `log_ratio_sums`, MAX on `maxima`)."""
+
+    totals: torch.Tensor  # [5]: targets, Σ w_t, truncated, Σ |log π_old − log μ|, Σ staleness
+    maxima: torch.Tensor  # [2]: max w_t, max staleness (−1e30 while no target was seen)
+    log_ratio_sums: torch.Tensor  # [E] Σ (log π_θ − log π_old) per execution, at the weights of the passes
+
+    @classmethod
+    def zeros(cls, num_executions: int, device: torch.device) -> GspoStats:
+        return cls(
+            totals=torch.zeros(5, dtype=torch.float64, device=device),
+            maxima=torch.full((2,), -1e30, dtype=torch.float64, device=device),
+            log_ratio_sums=torch.zeros(num_executions, dtype=torch.float64, device=device),
+        )
+
+    @property
+    def targets(self) -> float:
+        return float(self.totals[0])
+
+    def merge(self, other: GspoStats) -> GspoStats:
+        return GspoStats(
+            totals=self.totals + other.totals,
+            maxima=torch.maximum(self.maxima, other.maxima),
+            log_ratio_sums=self.log_ratio_sums + other.log_ratio_sums,
+        )
+
+
+def gspo_pass(
+    step: GspoStep,
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    target_exec: torch.Tensor,
+    policy_version: torch.Tensor,
+) -> tuple[torch.Tensor, GspoStats]:
+    """The loss of one pass's targets (its gradient is this pass's share of the step's) and their statistics."""
+    num_exec = step.advantages.shape[0]
+    terms = gspo_loss(
+        logp,
+        old_logp,
+        behaviour_logp,
+        target_exec,
+        step.advantages,
+        step.exec_num_targets,
+        num_executions=step.num_executions,
+        log_ratio_sums=step.log_ratio_sums,
+        config=step.config,
+    )
+    stats = GspoStats.zeros(num_exec, logp.device)
+    stale = staleness(policy_version, step.trainer_version).double()
+    n = logp.shape[0]
+    totals = stats.totals + torch.stack(
+        [
+            torch.tensor(float(n), dtype=torch.float64, device=logp.device),
+            terms.is_weight.sum(),
+            terms.is_truncated.double().sum(),
+            (old_logp.double() - behaviour_logp.double()).abs().sum(),
+            stale.sum(),
+        ]
+    )
+    maxima = torch.maximum(stats.maxima, torch.stack([terms.is_weight.max(), stale.max()])) if n else stats.maxima
+    ratio_sums = stats.log_ratio_sums + execution_log_ratio_sums(logp, old_logp, target_exec, num_exec)
+    return terms.loss, GspoStats(totals=totals, maxima=maxima, log_ratio_sums=ratio_sums)
+
+
+def gspo_metrics(step: GspoStep, stats: GspoStats) -> dict[str, float]:
+    """The step's loss metrics from the statistics of all of its targets (after the all-reduce over ranks):
+    `s_e` at the weights the passes ran with, and the clip fraction it implies."""
+    counts = step.exec_num_targets
+    has = counts > 0
+    s_e = torch.exp(stats.log_ratio_sums[has] / counts[has].double())
+    adv = step.advantages.double()[has]
+    lo, hi = 1.0 - step.config.eps_low, 1.0 + step.config.eps_high
+    clipped = ((adv > 0) & (s_e > hi)) | ((adv < 0) & (s_e < lo))
+    totals, maxima = stats.totals, stats.maxima
+    targets = max(float(totals[0]), 1.0)
+    any_execution = step.num_executions > 0
+    return {
+        "clip_fraction": float(clipped.double().mean()) if any_execution else 0.0,
+        "seq_ratio_mean": float(s_e.mean()) if any_execution else 1.0,
+        "seq_ratio_min": float(s_e.min()) if any_execution else 1.0,
+        "seq_ratio_max": float(s_e.max()) if any_execution else 1.0,
+        "is_weight_mean": float(totals[1]) / targets,
+        "is_weight_max": float(maxima[0]) if totals[0] > 0 else 1.0,
+        "is_truncated_fraction": float(totals[2]) / targets,
+        "old_behaviour_abs_diff": float(totals[3]) / targets,
+        "staleness_mean": float(totals[4]) / targets,
+        "staleness_max": float(maxima[1]) if totals[0] > 0 else 0.0,
+    }

@@ -24,6 +24,8 @@ DEFAULT_FLEX_THRESHOLD = 2048
 # keys that are ancestors of some query in it, so memory and work follow the tree, not L^2.
 AttentionKind = Literal["dense", "flex", "tree"]
 TREE_ATTENTION = "gyre_tree"
+# The forward kwarg that carries the tree plan from `packed_logits` through the HF model to the attention function.
+TREE_PLAN_KWARG = "gyre_tree_plan"
 DEFAULT_TREE_CHUNK = 256
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
 
@@ -174,9 +176,9 @@ def tree_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """A transformers attention function: query [B, H, L, D], key/value [B, Hkv, L, D] -> [B, L, H, D]."""
-    plan: list[TreeChunk] | None = kwargs.get("gyre_tree_plan")
+    plan: list[TreeChunk] | None = kwargs.get(TREE_PLAN_KWARG)
     if plan is None:
-        raise PackedForwardError("tree attention needs gyre_tree_plan in the forward kwargs; none arrived")
+        raise PackedForwardError(f"tree attention needs {TREE_PLAN_KWARG} in the forward kwargs; none arrived")
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)
@@ -211,15 +213,6 @@ def _set_attention(model: torch.nn.Module, kind: AttentionKind, dense_impl: str)
         config._attn_implementation = wanted
 
 
-def _compute_dtype(model: torch.nn.Module) -> torch.dtype:
-    # Under FSDP mixed precision the compute dtype is the policy's param_dtype, recorded on the model by
-    # distributed.py; otherwise the parameters' own dtype.
-    dtype = getattr(model, "gyre_compute_dtype", None)
-    if dtype is not None:
-        return dtype  # type: ignore[no-any-return]
-    return next(model.parameters()).dtype
-
-
 def packed_logits(
     model: torch.nn.Module,
     batch: PackedTensors,
@@ -227,19 +220,25 @@ def packed_logits(
     flex_threshold: int = DEFAULT_FLEX_THRESHOLD,
     dense_impl: str = "sdpa",
     attention: AttentionKind | None = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Logits [T, V] at each target's pred_pos from one packed forward (only those rows hit lm_head)."""
+    """Logits [T, V] at each target's pred_pos from one packed forward (only those rows hit lm_head).
+
+    `compute_dtype`: the dtype the model computes in, for the masks; a sharded model under mixed precision
+    computes in its policy's dtype (`distributed.apply_fsdp` returns it), an unsharded one (None) in its
+    parameters' dtype."""
     kind = attention or choose_attention(batch.num_tokens, flex_threshold, batch.input_ids.device)
+    dtype = compute_dtype if compute_dtype is not None else next(model.parameters()).dtype
     extra: dict[str, Any] = {}
     mask: Any = None
     match kind:
         case "flex":
             mask = tree_block_mask(batch.subtree_end)
         case "dense":
-            mask = dense_additive_mask(batch.subtree_end, _compute_dtype(model))
+            mask = dense_additive_mask(batch.subtree_end, dtype)
         case "tree":
             # No mask for transformers to build: the attention function reads the plan from the kwargs.
-            extra["gyre_tree_plan"] = tree_attention_plan(batch.subtree_end, _compute_dtype(model))
+            extra[TREE_PLAN_KWARG] = tree_attention_plan(batch.subtree_end, dtype)
         case _:
             raise ValueError(f"attention must be one of dense, flex, tree; got {kind!r}")
     _set_attention(model, kind, dense_impl)
@@ -273,8 +272,10 @@ def packed_logprobs(
     flex_threshold: int = DEFAULT_FLEX_THRESHOLD,
     dense_impl: str = "sdpa",
     attention: AttentionKind | None = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Per-target logprobs [T] (fp32) of labels input_ids[target_pos] under the model."""
+    """Per-target logprobs [T] (fp32) of labels input_ids[target_pos] under the model (`compute_dtype` as for
+    `packed_logits`)."""
     if batch.pred_pos.shape[0] == 0:
         # Nothing to read, but run the model so FSDP collectives stay in step across ranks.
         logits = packed_logits(
@@ -285,9 +286,11 @@ def packed_logprobs(
             flex_threshold=flex_threshold,
             dense_impl=dense_impl,
             attention=attention,
+            compute_dtype=compute_dtype,
         )
         return logits.float().sum() * 0.0 + logits.new_zeros(0, dtype=torch.float32)
     logits = packed_logits(
-        model, batch, flex_threshold=flex_threshold, dense_impl=dense_impl, attention=attention
+        model, batch, flex_threshold=flex_threshold, dense_impl=dense_impl, attention=attention,
+        compute_dtype=compute_dtype,
     )
     return token_logprobs(logits, batch.labels)

@@ -1,9 +1,11 @@
 """The trainer service shell: batch.ready in, one GSPO step per batch, checkpoint, weights to the Object
 Store, step.completed and weights.published out. Resumes from its latest checkpoint after a crash.
 
-Exactly once per step: the checkpoint (written before the handler's transaction commits) records the last
-trained step and its metrics, so a batch redelivered after a crash is recognised and only its events are
-re-emitted; a batch for a later step than the next one waits (is retried) until the gap is filled.
+Exactly once per step: the handler trains with no transaction open and returns its events as `Effects`, which the
+runtime records with the tracking row afterwards. The checkpoint, written before that record, holds the last
+trained step and its metrics, so a batch delivered again (a failed record, a lost ack, a crash in between) is
+recognised and only its events are re-emitted, never trained twice; a step whose checkpoint fails is rolled back.
+A batch for a later step than the next one waits (is retried) until the gap is filled.
 """
 
 from __future__ import annotations

@@ -1,17 +1,18 @@
 """Supervised warm-start data: conversations rendered with the chat template, assistant turns as targets,
-prefix-shared conversations packed into trees (the same MicroBatch format RL uses).
+prefix-shared conversations merged into one token tree and packed by the same packer RL batches use.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
 from shared.batch import MicroBatch
+from shared.packing import pack_trees
+from shared.token_tree import tree_from_sequences
 
 
 class SftDataError(Exception):
@@ -79,133 +80,10 @@ def render_conversation(tokenizer: Any, messages: list[dict[str, Any]]) -> Rende
     return RenderedConversation(ids=full, target=target)
 
 
-@dataclass
-class _Node:
-    token: int
-    target: bool = False
-    children: dict[int, _Node] = field(default_factory=dict)
-
-
-def _subtree_sizes(root: _Node) -> dict[int, int]:
-    sizes: dict[int, int] = {}
-    stack: list[tuple[_Node, bool]] = [(root, False)]
-    while stack:  # iterative post-order: conversations are chains thousands of tokens deep
-        node, done = stack.pop()
-        if done:
-            sizes[id(node)] = 1 + sum(sizes[id(c)] for c in node.children.values())
-            continue
-        stack.append((node, True))
-        stack.extend((c, False) for c in node.children.values())
-    return sizes
-
-
-_Packed = tuple[list[int], list[int], list[int], list[int], list[int]]  # ids, depth, ends, target, pred
-
-
-def _dfs(path: list[tuple[_Node, bool]], root: _Node) -> _Packed:
-    """Pack a subtree in pre-order after its ancestor path (context; a path target only where flagged)."""
-    ids: list[int] = []
-    depth: list[int] = []
-    ends: list[int] = []
-    tpos: list[int] = []
-    ppos: list[int] = []
-    for d, (node, is_target) in enumerate(path):
-        ids.append(node.token)
-        depth.append(d)
-        ends.append(-1)  # set below: the path is an ancestor of the whole piece
-        if is_target and d > 0:
-            tpos.append(d)
-            ppos.append(d - 1)
-    stack: list[tuple[_Node, int, int, bool]] = [(root, len(path), len(path) - 1, False)]
-    open_pos: list[int] = []
-    while stack:
-        node, d, parent, closing = stack.pop()
-        if closing:
-            ends[open_pos.pop()] = len(ids)
-            continue
-        pos = len(ids)
-        ids.append(node.token)
-        depth.append(d)
-        ends.append(-1)
-        if node.target and parent >= 0:
-            tpos.append(pos)
-            ppos.append(parent)
-        open_pos.append(pos)
-        stack.append((node, d, parent, True))
-        for tok in sorted(node.children, reverse=True):
-            stack.append((node.children[tok], d + 1, pos, False))
-    for d in range(len(path)):
-        ends[d] = len(ids)
-    return ids, depth, ends, tpos, ppos
-
-
-def _pieces(root: _Node, budget: int) -> list[_Packed]:
-    """Split a tree larger than the budget into subtrees that carry their ancestor path as context.
-
-    An ancestor's own target is kept only along the first child's line, so every target is trained once.
-    """
-    sizes = _subtree_sizes(root)
-    out: list[_Packed] = []
-    stack: list[tuple[_Node, list[tuple[_Node, bool]]]] = [(root, [])]
-    while stack:
-        node, path = stack.pop()
-        if sizes[id(node)] + len(path) <= budget or not node.children:
-            out.append(_dfs(path, node))
-            continue
-        kids = [node.children[t] for t in sorted(node.children)]
-        first_path = [*path, (node, node.target)]
-        other_path = [(n, False) for n, _ in first_path]
-        for i in range(len(kids) - 1, -1, -1):
-            stack.append((kids[i], first_path if i == 0 else other_path))
-    return out
-
-
 def pack_sequences(seqs: Sequence[RenderedConversation], micro_batch_tokens: int) -> list[MicroBatch]:
-    """Insert sequences into prefix tries (one per first token), DFS-pack each tree, and fill micro-batches
-    up to `micro_batch_tokens`. A tree over the budget is split into subtrees carrying their ancestor path;
-    a single chain longer than the budget gets a micro-batch of its own."""
-    roots: dict[int, _Node] = {}
-    order: list[int] = []
-    for s in seqs:
-        if not s.ids:
-            continue
-        if s.ids[0] not in roots:
-            roots[s.ids[0]] = _Node(s.ids[0])
-            order.append(s.ids[0])
-        node = roots[s.ids[0]]
-        for tok, tgt in zip(s.ids[1:], s.target[1:], strict=True):
-            child = node.children.get(tok)
-            if child is None:
-                child = node.children[tok] = _Node(tok)
-            child.target = child.target or tgt
-            node = child
-    trees = [piece for t in order for piece in _pieces(roots[t], micro_batch_tokens)]
-    groups: list[list[_Packed]] = []
-    size = 0
-    for tree in trees:
-        n = len(tree[0])
-        if not groups or size + n > micro_batch_tokens:
-            groups.append([])
-            size = 0
-        groups[-1].append(tree)
-        size += n
-    out = []
-    for group in groups:
-        ids: list[int] = []
-        depth: list[int] = []
-        ends: list[int] = []
-        tpos: list[int] = []
-        ppos: list[int] = []
-        for t_ids, t_depth, t_ends, t_tpos, t_ppos in group:
-            off = len(ids)
-            ids += t_ids
-            depth += t_depth
-            ends += [e + off for e in t_ends]
-            tpos += [p + off for p in t_tpos]
-            ppos += [p + off for p in t_ppos]
-        out.append(
-            MicroBatch.from_lists(
-                input_ids=ids, position_ids=depth, subtree_end=ends, target_pos=tpos, pred_pos=ppos
-            )
-        )
-    return out
+    """Merge the conversations into one prefix tree (shared prefixes once; a target where any conversation has
+    one) and pack it with the shared tree packer (shared/packing.py): micro-batches of at most
+    `micro_batch_tokens`, a tree over the budget cut into ranges that carry their ancestor path, every target
+    once. A conversation longer than the budget cannot keep its whole context: `PackingError`."""
+    merged = tree_from_sequences([s.ids for s in seqs], [s.target for s in seqs], name="SFT conversations")
+    return pack_trees([(merged.tree, 0)], micro_batch_tokens)

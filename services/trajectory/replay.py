@@ -90,7 +90,7 @@ def select_events(events: Sequence[Event], selection: Selection) -> list[Event]:
     if selection.execution is not None:
         known = selection.execution in log.executions
         wanted = {selection.execution} if known else set()
-        query_ids = {log.executions[selection.execution].query_id} if known else set()
+        query_ids: set[str | None] = {log.executions[selection.execution].query_id} if known else set()
         steps: set[int] = set()
     elif selection.query is not None:
         q = log.queries.get(selection.query)
@@ -104,7 +104,7 @@ def select_events(events: Sequence[Event], selection: Selection) -> list[Event]:
         return list(events)
     if not wanted:
         raise ReplayError(f"nothing in the log matches {selection.describe()}")
-    query_ids.discard(None)  # type: ignore[arg-type]
+    query_ids.discard(None)
     # Group siblings' start and score events come along so advantages can be shown for a single execution.
     siblings = {x for q in query_ids if q in log.queries for x in log.queries[q].execution_ids} - wanted
     out = []

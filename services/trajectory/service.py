@@ -1,6 +1,7 @@
 """The trajectory service shell: folds the execution log, builds trees as executions finish, and emits one
 `batch.ready` per training step once the step's groups are complete. All decisions come from the pure core
-(`state`, `tree`, `packing`); this file only moves events and blobs."""
+(`state`, `tree_builder`, `training_batch`, `shared.packing`); this file only moves events and blobs, and its
+handler computes outside any transaction, returning the batch and its event as `Effects` for the runtime to record."""
 
 from __future__ import annotations
 

@@ -11,8 +11,9 @@ import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from services.trajectory.packing import ExecutionInput, build_training_batch
-from services.trajectory.tree import BranchLabel, TrajectoryTree, build_tree
+from services.trajectory.training_batch import ExecutionInput, build_training_batch
+from services.trajectory.tree import TrajectoryTree
+from services.trajectory.tree_builder import BranchLabel, build_tree
 from shared.batch import TrainingBatch
 from shared.calls import CallRecord, CallRecordError, call_record
 from shared.events import (

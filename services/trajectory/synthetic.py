@@ -1,5 +1,6 @@
-"""Writes execution logs the way the rollout gateway does (delta call records + events), for tests, golden
-logs and the benchmark. Pure: ids and timestamps are derived from the arguments, never from a clock."""
+"""Synthetic executions: an execution's log written the way the rollout gateway and the harness write it (delta call
+records + events), for tests, golden logs and the benchmarks. Pure: ids and timestamps are derived from the
+arguments, never from a clock."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import numpy as np
 from shared.blobs import blob_ref
 from shared.calls import CALL_RECORD_MEDIA_TYPE, CallRecord, CallTokens, call_completed, longest_prefix_parent
 from shared.events import (
+    BranchKind,
     Event,
     EventData,
     ExecutionBranched,
@@ -31,8 +33,9 @@ def stable_uuid(*parts: object) -> uuid.UUID:
 
 
 @dataclass
-class ExecutionLog:
-    """Accumulates one execution's calls as delta records plus its events and the blobs they reference."""
+class SyntheticExecution:
+    """One synthetic execution: its calls as delta records, its events and the blobs they reference, written the
+    way the gateway and the harness write them (the gateway's own call log is `services.rollout.recording`)."""
 
     execution_id: str
     query_id: str = "q"
@@ -87,7 +90,7 @@ class ExecutionLog:
         logprobs: Sequence[float] | np.ndarray | None = None,
         policy_version: int = 0,
         chain_id: str = "main",
-        branch_hint: str | None = None,
+        branch_hint: BranchKind | None = None,
         cell_id: str = "cell-0",
         parent: tuple[int | None, int] | None = None,
     ) -> CallRecord:
@@ -131,12 +134,12 @@ class ExecutionLog:
     def sequence(self, call_index: int) -> np.ndarray:
         return self._sequences[call_index]
 
-    def branched(self, kind: str, at_call_index: int, *, from_call_index: int | None = None, chain_id: str = "main",
-                 reason: str = "") -> Event:
+    def branched(self, kind: BranchKind, at_call_index: int, *, from_call_index: int | None = None,
+                 chain_id: str = "main", reason: str = "") -> Event:
         return self._emit(
             ExecutionBranched(
                 execution_id=self.execution_id,
-                kind=kind,  # type: ignore[arg-type]
+                kind=kind,
                 at_call_index=at_call_index,
                 from_call_index=from_call_index,
                 chain_id=chain_id,

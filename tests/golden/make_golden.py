@@ -17,10 +17,10 @@ sys.path.insert(0, str(HERE.parents[1]))
 
 from services.trajectory.replay import export_lines  # noqa: E402
 from services.trajectory.state import BatchParams, RunLog, assemble_step_batch  # noqa: E402
-from services.trajectory.synthetic import ExecutionLog, stable_uuid, EPOCH  # noqa: E402
+from services.trajectory.synthetic import EPOCH, SyntheticExecution, stable_uuid  # noqa: E402
 from shared.batch import BATCH_MEDIA_TYPE  # noqa: E402
-from shared.events import BatchReady, BlobRef, Event, QueryDispatched, new_event  # noqa: E402
-from shared.tokens import digest_of  # noqa: E402
+from shared.blobs import blob_ref  # noqa: E402
+from shared.events import BatchReady, Event, QueryDispatched, new_event  # noqa: E402
 
 SYSTEM, USER, ASSISTANT, TOOL, END = 256, 257, 258, 259, 260
 
@@ -48,8 +48,8 @@ def answer(text: str) -> list[int]:
 SYS = msg(SYSTEM, "You are a careful engineer working in /app. Use the shell tool.")
 
 
-def compaction() -> ExecutionLog:
-    log = ExecutionLog("golden-compaction", query_id="q-compaction", task_id="fix-tests")
+def compaction() -> SyntheticExecution:
+    log = SyntheticExecution("golden-compaction", query_id="q-compaction", task_id="fix-tests")
     log.start()
     task = msg(USER, "Make the failing tests in /app/tests pass.")
     ctx = SYS + task
@@ -69,8 +69,8 @@ def compaction() -> ExecutionLog:
     return log
 
 
-def delegation() -> ExecutionLog:
-    log = ExecutionLog("golden-delegation", query_id="q-delegation", task_id="port-module")
+def delegation() -> SyntheticExecution:
+    log = SyntheticExecution("golden-delegation", query_id="q-delegation", task_id="port-module")
     log.start()
     task = msg(USER, "Port utils.py to the new API.")
     c0 = log.call(prompt_of(SYS + task), answer("<delegate>List every caller of utils.load</delegate>"))
@@ -89,8 +89,8 @@ def delegation() -> ExecutionLog:
     return log
 
 
-def retries() -> ExecutionLog:
-    log = ExecutionLog("golden-retries", query_id="q-retries", task_id="write-config")
+def retries() -> SyntheticExecution:
+    log = SyntheticExecution("golden-retries", query_id="q-retries", task_id="write-config")
     log.start()
     p = prompt_of(SYS + msg(USER, "Write config.yaml with port 8080."))
     log.call(p, answer("<shel"))  # malformed: the harness retries from the same prompt
@@ -104,9 +104,9 @@ def retries() -> ExecutionLog:
     return log
 
 
-def drift() -> ExecutionLog:
+def drift() -> SyntheticExecution:
     """An external harness re-renders the assistant's message (normalised whitespace): no label, a fork."""
-    log = ExecutionLog("golden-drift", query_id="q-drift", task_id="count-lines")
+    log = SyntheticExecution("golden-drift", query_id="q-drift", task_id="count-lines")
     log.start()
     task = msg(USER, "How many lines in data.csv?")
     c0 = log.call(prompt_of(SYS + task), answer("<shell>wc  -l data.csv</shell>"))
@@ -119,8 +119,8 @@ def drift() -> ExecutionLog:
     return log
 
 
-def timeout() -> ExecutionLog:
-    log = ExecutionLog("golden-timeout", query_id="q-timeout", task_id="build-kernel")
+def timeout() -> SyntheticExecution:
+    log = SyntheticExecution("golden-timeout", query_id="q-timeout", task_id="build-kernel")
     log.start()
     ctx = SYS + msg(USER, "Build the project and make all 4 tests pass.")
     for cmd, out in [("make", "error: missing zlib"), ("apt-get install zlib1g-dev", "ok"), ("make", "built"),
@@ -133,13 +133,13 @@ def timeout() -> ExecutionLog:
     return log
 
 
-def claude_code() -> ExecutionLog:
+def claude_code() -> SyntheticExecution:
     """A Claude-Code-style session through the gateway: no branch labels, only what the gateway infers.
 
     Two Task sub-agents run interleaved with the main chain, a small side call titles the session, and the
     main chain compacts ("continued from a previous conversation") and carries on.
     """
-    log = ExecutionLog("golden-claude-code", query_id="q-claude-code", task_id="refactor-http")
+    log = SyntheticExecution("golden-claude-code", query_id="q-claude-code", task_id="refactor-http")
     log.start()
     cc_sys = msg(SYSTEM, "You are Claude Code, an interactive CLI tool. Tools: Bash, Read, Edit, Task.")
     task = msg(USER, "Refactor the HTTP client into its own module and keep the tests green.")
@@ -186,8 +186,8 @@ def group() -> tuple[list[Event], dict[str, bytes]]:
     events.append(dispatched)
     rewards = [1.0, 0.0, 0.5, 0.25]
     for i, reward in enumerate(rewards):
-        log = ExecutionLog(f"golden-group-{i}", query_id="q-group", run_id="golden-run", task_id="sum-csv",
-                           group_size=4, sample_index=i, seed=i)
+        log = SyntheticExecution(f"golden-group-{i}", query_id="q-group", run_id="golden-run", task_id="sum-csv",
+                                 group_size=4, sample_index=i, seed=i)
         log.start()
         p = prompt_of(SYS + msg(USER, "Sum column 2 of data.csv."))
         first = log.call(p, answer(f"<shell>awk '{{s+=${2 if i % 2 == 0 else 1}}}END{{print s}}' data.csv</shell>"))
@@ -209,7 +209,7 @@ def group() -> tuple[list[Event], dict[str, bytes]]:
     params = BatchParams(budget=256, cap_k=2, eps=1e-6, drop_zero_variance=True, max_staleness=1)
     batch = assemble_step_batch(run, 0, lambda ref: blobs[ref.digest], params)
     data = batch.encode()
-    ref = BlobRef(digest=digest_of(data), size=len(data), media_type=BATCH_MEDIA_TYPE)
+    ref = blob_ref(data, BATCH_MEDIA_TYPE)
     blobs[ref.digest] = data
     stats = batch.meta
     events.append(new_event(

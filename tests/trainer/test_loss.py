@@ -9,7 +9,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.trainer.loss import GspoConfig, LossInputError, execution_log_ratio_sums, gspo_loss
+from services.trainer.loss import (
+    GspoConfig,
+    GspoStats,
+    GspoStep,
+    LossInputError,
+    execution_log_ratio_sums,
+    gspo_loss,
+    gspo_metrics,
+    gspo_pass,
+)
 
 
 def naive_gspo(
@@ -135,6 +144,34 @@ def test_split_targets_with_shared_ratio_sums_add_up_to_the_whole() -> None:
     total.backward()  # type: ignore[union-attr]
     assert abs(total.item() - whole.loss.item()) <= 1e-7  # type: ignore[union-attr]
     assert torch.allclose(parts_logp.grad, whole_logp.grad, atol=1e-8)  # type: ignore[arg-type]
+
+
+def test_pass_statistics_of_split_targets_merge_into_the_statistics_of_the_whole() -> None:
+    """What the engine does with `gspo_pass` per micro-batch (then an all-reduce) gives the metrics of one pass
+    over every target: the counts, IS weights, staleness and the s_e behind the clip fraction."""
+    case = _random_case(14, num_exec=5, num_targets=40, spread=3e-4)
+    counts = torch.bincount(case["texec"], minlength=5)
+    versions = torch.randint(0, 3, (40,), generator=torch.Generator().manual_seed(1))
+    sums = execution_log_ratio_sums(case["logp"], case["old"], case["texec"], 5)
+    step = GspoStep(advantages=case["adv"], exec_num_targets=counts, num_executions=5, log_ratio_sums=sums,
+                    trainer_version=3, config=GspoConfig())
+
+    def stats_of(p: slice) -> tuple[torch.Tensor, GspoStats]:
+        return gspo_pass(step, case["logp"][p], case["old"][p], case["mu"][p], case["texec"][p], versions[p])
+
+    whole_loss, whole = stats_of(slice(0, 40))
+    merged, loss = GspoStats.zeros(5, whole_loss.device), torch.zeros(())
+    for p in (slice(0, 13), slice(13, 13), slice(13, 40)):  # an empty pass changes nothing
+        part_loss, part = stats_of(p)
+        merged, loss = merged.merge(part), loss + part_loss
+    assert float(loss) == pytest.approx(float(whole_loss), abs=1e-7)
+    assert torch.allclose(merged.totals, whole.totals) and torch.equal(merged.maxima, whole.maxima)
+    assert torch.allclose(merged.log_ratio_sums, sums.double())
+    assert merged.targets == 40.0
+    metrics, expected = gspo_metrics(step, merged), gspo_metrics(step, whole)
+    assert metrics.keys() == expected.keys()
+    assert all(metrics[k] == pytest.approx(expected[k], rel=1e-9) for k in metrics)
+    assert metrics["staleness_max"] == float(3 - versions.min())
 
 
 def test_partial_targets_without_ratio_sums_is_rejected() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 from pathlib import Path
 
 import pytest
@@ -144,6 +145,65 @@ async def test_trainer_service_trains_each_step_once_across_a_crash_before_commi
     weights = load_safetensors(blob)
     base = load_safetensors((model_dir / "model.safetensors").read_bytes())
     assert weights.keys() == base.keys()
+
+
+class BlocksInTheStep(FastTrainerService):
+    """Its optimiser step waits for the test (`release`) after saying it has started (`training`)."""
+
+    training: threading.Event
+    release: threading.Event
+
+    async def setup(self) -> None:
+        await super().setup()
+        assert self.trainer is not None
+        real_step = self.trainer.step
+
+        def step(batch):  # noqa: ANN001, ANN202
+            self.training.set()
+            if not self.release.wait(120):
+                raise TimeoutError("the test never released the step")
+            return real_step(batch)
+
+        self.trainer.step = step  # type: ignore[method-assign]
+
+
+@pytest.mark.timeout(600)
+async def test_no_transaction_is_open_while_a_step_trains(store, bus, infra: Infra, tmp_path: Path) -> None:
+    """The handler trains outside any transaction; the effects and the tracking row are recorded afterwards in one
+    short one. The service's connections carry an application name of their own, so sessions of other tests on
+    the same server are not counted."""
+    import sqlalchemy as sa
+
+    run_id = unique("trainnotx")
+    application = unique("gyre-trainer-test")
+    sep = "&" if "?" in infra.database_url else "?"
+    settings = Settings(
+        database_url=f"{infra.database_url}{sep}application_name={application}", nats_url=infra.nats_url,
+        db_schema=store.schema, subject_prefix=bus.prefix, run_id=run_id,
+        model_dir=create_tiny_model(tmp_path / "model", seed=4), state_dir=tmp_path / "state", max_staleness=1,
+    )
+    service = BlocksInTheStep(settings, TrainerOptions(lr=1e-3, precision="fp32"))
+    service.training, service.release = threading.Event(), threading.Event()
+    relay = RunningRelay(store, bus, infra)
+    try:
+        await service.start()
+        await put_batch(store, run_id, 0)
+        assert await asyncio.to_thread(service.training.wait, 120), "the step never started"
+        async with store.engine.connect() as conn:
+            sessions = (await conn.execute(sa.text(
+                "SELECT state, query FROM pg_stat_activity WHERE application_name = :name"
+            ), {"name": application})).all()
+        assert sessions, "the service's connections do not carry the application name: the check would be vacuous"
+        in_transaction = [(state, query) for state, query in sessions if state.startswith("idle in transaction")]
+        assert in_transaction == [], "a transaction stays open while the step trains"
+        service.release.set()
+        completed = await wait_for(store, run_id, "step.completed", 1, settle_s=0.0)
+        assert [e.data.step for e in completed] == [0]
+        assert await store.is_processed(service.name, completed[0].causation_id)
+    finally:
+        service.release.set()
+        await service.stop()
+        await relay.stop()
 
 
 class FailsAfterTheStep(FastTrainerService):

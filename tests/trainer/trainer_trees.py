@@ -1,15 +1,19 @@
-"""Test helpers: a small DFS packer that turns hand-made trajectories into shared/batch.py MicroBatches,
-plus tiny Qwen3/Qwen2/Llama models. Independent of services/trajectory on purpose.
+"""Test helpers: hand-made branched trajectories packed into shared/batch.py MicroBatches with the shared tree
+builder and packer (shared/token_tree.py, shared/packing.py), plus tiny Qwen3/Qwen2/Llama models. The tests'
+oracle stays independent of both: flat per-trajectory forwards (`flat_logprobs`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from shared.batch import ExecutionEntry, MicroBatch, TrainingBatch
+from shared.packing import Piece, assemble, pack_trees, split_tree
+from shared.token_tree import SequenceTree, tree_from_sequences
 
 
 @dataclass
@@ -22,89 +26,46 @@ class Step:
     version: int = 0
 
 
-@dataclass
-class _Node:
-    token: int
-    target: bool = False
-    mu: float = 0.0
-    version: int = 0
-    children: dict[int, _Node] = field(default_factory=dict)
-
-
 @dataclass(frozen=True)
 class Trajectory:
     execution: int
     steps: list[Step]
 
 
+def execution_trees(trajs: list[Trajectory]) -> list[tuple[SequenceTree, int]]:
+    """One token tree per execution (in order of first appearance), built by the shared builder."""
+    by_exec: dict[int, list[Trajectory]] = {}
+    for tr in trajs:
+        by_exec.setdefault(tr.execution, []).append(tr)
+    return [
+        (
+            tree_from_sequences(
+                [[s.token for s in tr.steps] for tr in group],
+                [[s.target for s in tr.steps] for tr in group],
+                logprobs=[[s.mu for s in tr.steps] for tr in group],
+                policy_versions=[[s.version for s in tr.steps] for tr in group],
+                name=f"execution {execution}",
+            ),
+            execution,
+        )
+        for execution, group in by_exec.items()
+    ]
+
+
 def pack(trajs: list[Trajectory]) -> tuple[MicroBatch, list[list[int]]]:
-    """Pack trajectories (grouped into one trie per execution) into one micro-batch.
+    """Pack trajectories (merged into one tree per execution) into one micro-batch, whole trees side by side.
 
     Returns the micro-batch and, per trajectory, the packed position of each of its tokens.
     """
-    roots: dict[tuple[int, int], _Node] = {}
-    order: list[tuple[int, int]] = []
-    for tr in trajs:
-        first = tr.steps[0]
-        key = (tr.execution, first.token)
-        if key not in roots:
-            roots[key] = _Node(first.token)
-            order.append(key)
-        node = roots[key]
-        for st in tr.steps[1:]:
-            child = node.children.get(st.token)
-            if child is None:
-                child = node.children[st.token] = _Node(st.token)
-            if st.target and not child.target:
-                child.target, child.mu, child.version = True, st.mu, st.version
-            node = child
-    ids: list[int] = []
-    depth: list[int] = []
-    ends: list[int] = []
-    tpos: list[int] = []
-    ppos: list[int] = []
-    mus: list[float] = []
-    vers: list[int] = []
-    texec: list[int] = []
-    where: dict[int, int] = {}  # id(node) -> position
-
-    def visit(node: _Node, d: int, parent: int, execution: int) -> None:
-        pos = len(ids)
-        where[id(node)] = pos
-        ids.append(node.token)
-        depth.append(d)
-        ends.append(-1)
-        if node.target and parent >= 0:
-            tpos.append(pos)
-            ppos.append(parent)
-            mus.append(node.mu)
-            vers.append(node.version)
-            texec.append(execution)
-        for tok in sorted(node.children):
-            visit(node.children[tok], d + 1, pos, execution)
-        ends[pos] = len(ids)
-
-    for key in order:
-        visit(roots[key], 0, -1, key[0])
-    positions = []
-    for tr in trajs:
-        node = roots[(tr.execution, tr.steps[0].token)]
-        path = [where[id(node)]]
-        for st in tr.steps[1:]:
-            node = node.children[st.token]
-            path.append(where[id(node)])
-        positions.append(path)
-    mb = MicroBatch(
-        input_ids=np.array(ids, dtype=np.int32),
-        position_ids=np.array(depth, dtype=np.int32),
-        subtree_end=np.array(ends, dtype=np.int32),
-        target_pos=np.array(tpos, dtype=np.int32),
-        pred_pos=np.array(ppos, dtype=np.int32),
-        behaviour_logprob=np.array(mus, dtype=np.float32),
-        policy_version=np.array(vers, dtype=np.int32),
-        target_exec=np.array(texec, dtype=np.int32),
-    )
-    return mb, positions
+    pieces: list[Piece] = []
+    positions_of: dict[int, Iterator[np.ndarray]] = {}
+    offset = 0
+    for built, execution in execution_trees(trajs):
+        n = built.tree.num_tokens
+        pieces += split_tree(built.tree, execution, max(n, 1))  # the whole tree, as one piece
+        positions_of[execution] = iter([p + offset for p in built.positions])
+        offset += n
+    return assemble(pieces), [next(positions_of[tr.execution]).tolist() for tr in trajs]
 
 
 def random_trajectories(
@@ -170,49 +131,12 @@ def flat_logprobs(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
 
 
-def pack_groups(trajs: list[Trajectory], groups: list[list[int]]) -> list[MicroBatch]:
-    """Pack groups of trajectories into separate micro-batches; a target already trained by an earlier
-    micro-batch stays as context in later ones (so an execution spans micro-batches, each target once)."""
-    seen: set[tuple[int, tuple[int, ...]]] = set()
-    out = []
-    for group in groups:
-        sub = [trajs[i] for i in group]
-        mb, positions = pack(sub)
-        key_of: dict[int, tuple[int, tuple[int, ...]]] = {}
-        for tr, path in zip(sub, positions, strict=True):
-            toks = tuple(s.token for s in tr.steps)
-            for i, p in enumerate(path):
-                key_of.setdefault(p, (tr.execution, toks[: i + 1]))
-        keep = []
-        for j, p in enumerate(mb.target_pos):
-            key = key_of[int(p)]
-            if key not in seen:
-                seen.add(key)
-                keep.append(j)
-        k = np.array(keep, dtype=np.int64)
-        out.append(
-            MicroBatch(
-                input_ids=mb.input_ids,
-                position_ids=mb.position_ids,
-                subtree_end=mb.subtree_end,
-                target_pos=mb.target_pos[k],
-                pred_pos=mb.pred_pos[k],
-                behaviour_logprob=mb.behaviour_logprob[k],
-                policy_version=mb.policy_version[k],
-                target_exec=mb.target_exec[k],
-            )
-        )
-    return out
-
-
 def make_batch(seed: int, step: int, *, executions: int = 4, branches: int = 4, vocab: int = 97) -> TrainingBatch:
-    """A deterministic batch whose executions span several micro-batches of uneven size."""
+    """A deterministic batch whose executions span several micro-batches of uneven size: the shared packer with
+    a budget just above the longest trajectory, so trees are cut into ranges that carry their ancestors."""
     rng = np.random.default_rng([seed, step])
     trajs = random_trajectories(rng, executions=executions, branches=branches, vocab=vocab)
-    groups: list[list[int]] = [[], [], [], [], []]
-    for i in range(len(trajs)):
-        groups[int(rng.integers(len(groups)))].append(i)
-    groups = [g for g in groups if g]
-    mbs = pack_groups(trajs, groups)
+    budget = max(len(tr.steps) for tr in trajs) + 8
+    mbs = pack_trees([(built.tree, execution) for built, execution in execution_trees(trajs)], budget)
     adv = rng.standard_normal(executions).round(3).tolist()
     return training_batch(mbs, adv, step=step)

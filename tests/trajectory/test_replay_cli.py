@@ -103,7 +103,7 @@ def _run_with_a_batch(run_id: str, rewards: list[float]) -> tuple[list, dict[str
     """One run's step 0: a query of len(rewards) executions, scored, and its live batch."""
     from services.trajectory.service import batch_ready_data
     from services.trajectory.state import BatchParams, RunLog, assemble_step_batch
-    from services.trajectory.synthetic import EPOCH, ExecutionLog, stable_uuid
+    from services.trajectory.synthetic import EPOCH, SyntheticExecution, stable_uuid
     from shared.batch import BATCH_MEDIA_TYPE
     from shared.events import BlobRef, QueryDispatched, new_event
     from shared.tokens import digest_of
@@ -115,7 +115,7 @@ def _run_with_a_batch(run_id: str, rewards: list[float]) -> tuple[list, dict[str
                         event_id=stable_uuid(run_id, query))]
     blobs: dict[str, bytes] = {}
     for i, reward in enumerate(rewards):
-        log = ExecutionLog(f"{query}-s{i}", query_id=query, run_id=run_id, group_size=len(rewards), sample_index=i)
+        log = SyntheticExecution(f"{query}-s{i}", query_id=query, run_id=run_id, group_size=len(rewards), sample_index=i)
         log.start()
         log.call([1, 2, 3], [4 + i, 5])
         log.finish()

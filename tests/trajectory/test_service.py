@@ -9,7 +9,7 @@ import pytest
 
 from services.trajectory.replay import Selection, verify
 from services.trajectory.service import TrajectoryService
-from services.trajectory.synthetic import ExecutionLog, stable_uuid, EPOCH
+from services.trajectory.synthetic import SyntheticExecution, stable_uuid, EPOCH
 from shared.batch import TrainingBatch
 from shared.bus import ConsumerOptions
 from shared.events import BatchReady, Event, QueryDispatched, new_event
@@ -37,8 +37,8 @@ def query_events(run_id: str, step: int, group: int) -> tuple[list[Event], dict[
     )]
     blobs: dict[str, bytes] = {}
     for i in range(group):
-        log = ExecutionLog(f"{run_id}-s{step}-e{i}", query_id=query_id, run_id=run_id, group_size=group,
-                           sample_index=i, step=step)
+        log = SyntheticExecution(f"{run_id}-s{step}-e{i}", query_id=query_id, run_id=run_id, group_size=group,
+                                 sample_index=i, step=step)
         log.start(policy_version=step)
         c = log.call(SYS + [10 + i, 11], [20 + i, 21, 22], policy_version=step)
         if i % 2:
@@ -72,7 +72,7 @@ async def wait_for_batches(store: EventStore, run_id: str, n: int, timeout: floa
             await asyncio.sleep(0.2)
         return found
 
-    found = await asyncio.wait_for(until(), timeout)
+    await asyncio.wait_for(until(), timeout)
     await asyncio.sleep(1.5)  # room for a duplicate to show up
     return await batches_in(store, run_id)
 
@@ -209,7 +209,7 @@ async def test_a_later_end_event_rebuilds_the_tree_its_batch_trains(store, bus, 
     )]
     blobs: dict[str, bytes] = {}
     for i in range(2):
-        log = ExecutionLog(f"{run_id}-e{i}", query_id="q", run_id=run_id, group_size=2, sample_index=i, step=0)
+        log = SyntheticExecution(f"{run_id}-e{i}", query_id="q", run_id=run_id, group_size=2, sample_index=i, step=0)
         log.start()
         first = log.call(SYS + [10 + i], [20 + i, 21])
         if i == 1:

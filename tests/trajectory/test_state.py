@@ -6,14 +6,14 @@ from __future__ import annotations
 import itertools
 
 from services.trajectory.state import BatchParams, RunLog, assemble_step_batch, execution_tree
-from services.trajectory.synthetic import ExecutionLog
+from services.trajectory.synthetic import SyntheticExecution
 from shared.events import ExecutionTimedOut
 
 
-def timed_out_with_a_late_call() -> ExecutionLog:
+def timed_out_with_a_late_call() -> SyntheticExecution:
     """The agent stopped waiting at its deadline during call 1; the engine answered anyway and the gateway
     recorded that call (and a fork label for it) after the end was reported."""
-    log = ExecutionLog("late", group_size=1)
+    log = SyntheticExecution("late", group_size=1)
     log.start()
     log.call([1, 2, 3], [4, 5])
     log.time_out()  # calls=1
@@ -53,7 +53,7 @@ def test_the_tree_is_the_same_whether_the_late_call_arrives_before_or_after_the_
 
 
 def test_two_end_reports_settle_the_same_way_in_any_order() -> None:
-    log = ExecutionLog("twice", group_size=1)
+    log = SyntheticExecution("twice", group_size=1)
     log.start()
     log.call([1, 2], [3])
     log.call([1, 2, 3, 4], [5])
@@ -69,7 +69,7 @@ def test_two_end_reports_settle_the_same_way_in_any_order() -> None:
 
 
 def test_an_end_reporting_fewer_calls_than_the_log_holds_waits_for_none_and_keeps_the_prefix() -> None:
-    log = ExecutionLog("short", group_size=1)
+    log = SyntheticExecution("short", group_size=1)
     log.start()
     log.call([1, 2], [3])
     run = RunLog()
@@ -87,7 +87,7 @@ def group_with_an_infra_failure(flag: bool) -> tuple[RunLog, dict[str, bytes]]:
     """Three samples of one query: one solved it, one did not, one lost its model API (scored 0 on nothing)."""
     run, blobs = RunLog(), {}
     for i, (reward, failure) in enumerate([(1.0, None), (0.0, None), (0.0, "APIConnectionError: gateway down")]):
-        log = ExecutionLog(f"e{i}", query_id="q", group_size=3, sample_index=i)
+        log = SyntheticExecution(f"e{i}", query_id="q", group_size=3, sample_index=i)
         log.start()
         log.call([1, 2, 3], [4 + i, 5])
         log.finish()
@@ -128,7 +128,7 @@ def test_a_step_waits_for_every_query_its_dispatches_say_feed_it() -> None:
     def group(query_id: str) -> list[object]:
         events = []
         for i in range(2):
-            log = ExecutionLog(f"{query_id}-e{i}", query_id=query_id, group_size=2, sample_index=i)
+            log = SyntheticExecution(f"{query_id}-e{i}", query_id=query_id, group_size=2, sample_index=i)
             log.start()
             log.call([1, 2, 3], [4 + i, 5])
             log.finish()

@@ -10,9 +10,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.trajectory.cap import cap_tree
-from services.trajectory.packing import pack_trees
-from services.trajectory.synthetic import ExecutionLog
-from services.trajectory.tree import TrajectoryTree, build_tree
+from services.trajectory.synthetic import SyntheticExecution
+from services.trajectory.tree import TrajectoryTree
+from services.trajectory.tree_builder import build_tree
+from shared.packing import pack_trees
 
 # A tiny vocabulary makes accidental matches (a retry regenerating the same tokens, a prompt that happens to
 # equal generated text) frequent, which is exactly where radix trees go wrong.
@@ -20,8 +21,8 @@ VOCAB = 5
 
 
 @st.composite
-def call_logs(draw: st.DrawFn, max_calls: int = 8) -> ExecutionLog:
-    log = ExecutionLog("exec-prop")
+def call_logs(draw: st.DrawFn, max_calls: int = 8) -> SyntheticExecution:
+    log = SyntheticExecution("exec-prop")
     n = draw(st.integers(1, max_calls))
     for _ in range(n):
         base: list[int] = []
@@ -57,7 +58,7 @@ def _prefixes(tree: TrajectoryTree) -> list[tuple[int, ...]]:
     return out
 
 
-def _expected(log: ExecutionLog) -> tuple[set[tuple[int, ...]], dict[tuple[int, ...], float]]:
+def _expected(log: SyntheticExecution) -> tuple[set[tuple[int, ...]], dict[tuple[int, ...], float]]:
     all_prefixes: set[tuple[int, ...]] = set()
     generated: dict[tuple[int, ...], float] = {}
     for rec in log.records:
@@ -71,7 +72,7 @@ def _expected(log: ExecutionLog) -> tuple[set[tuple[int, ...]], dict[tuple[int, 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(call_logs())
-def test_tree_holds_exactly_the_union_of_call_sequences(log: ExecutionLog) -> None:
+def test_tree_holds_exactly_the_union_of_call_sequences(log: SyntheticExecution) -> None:
     tree = build_tree(log.execution_id, log.records)
     prefixes = _prefixes(tree)
     all_prefixes, _ = _expected(log)
@@ -81,7 +82,7 @@ def test_tree_holds_exactly_the_union_of_call_sequences(log: ExecutionLog) -> No
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(call_logs())
-def test_each_generated_token_is_a_target_exactly_once(log: ExecutionLog) -> None:
+def test_each_generated_token_is_a_target_exactly_once(log: SyntheticExecution) -> None:
     tree = build_tree(log.execution_id, log.records)
     prefixes = _prefixes(tree)
     _, generated = _expected(log)
@@ -93,7 +94,7 @@ def test_each_generated_token_is_a_target_exactly_once(log: ExecutionLog) -> Non
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(call_logs())
-def test_every_call_sequence_is_a_root_path(log: ExecutionLog) -> None:
+def test_every_call_sequence_is_a_root_path(log: SyntheticExecution) -> None:
     tree = build_tree(log.execution_id, log.records)
     for rec in log.records:
         positions = tree.call_positions(rec.call_index)
@@ -105,7 +106,7 @@ def test_every_call_sequence_is_a_root_path(log: ExecutionLog) -> None:
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(call_logs())
-def test_tree_arrays_are_consistent_preorder(log: ExecutionLog) -> None:
+def test_tree_arrays_are_consistent_preorder(log: SyntheticExecution) -> None:
     tree = build_tree(log.execution_id, log.records)
     n = tree.num_tokens
     idx = np.arange(n)
@@ -130,7 +131,7 @@ def test_tree_arrays_are_consistent_preorder(log: ExecutionLog) -> None:
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(call_logs())
-def test_build_is_deterministic(log: ExecutionLog) -> None:
+def test_build_is_deterministic(log: SyntheticExecution) -> None:
     a = build_tree(log.execution_id, log.records)
     b = build_tree(log.execution_id, list(reversed(log.records)))  # sorted by call_index inside
     assert a.digest() == b.digest()
@@ -151,13 +152,13 @@ def _unpack_pairs(mb_list: list, labels_only: bool = False) -> list[tuple[tuple[
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(call_logs(), st.integers(0, 12), st.integers(1, 4))
-def test_pack_unpack_gives_the_flat_trajectory_pairs(log: ExecutionLog, slack: int, k: int) -> None:
+def test_pack_unpack_gives_the_flat_trajectory_pairs(log: SyntheticExecution, slack: int, k: int) -> None:
     tree = build_tree(log.execution_id, log.records)
     capped = cap_tree(tree, k).tree
     if capped.num_tokens == 0:
         return
     budget = int(capped.depth.max()) + 1 + slack  # small budgets force subtree splitting
-    mbs = pack_trees([(capped, 0)], budget)
+    mbs = pack_trees([(capped.token_tree(), 0)], budget)
     for mb in mbs:
         mb.validate(1)
         assert mb.num_tokens <= budget
@@ -174,9 +175,9 @@ def test_pack_unpack_gives_the_flat_trajectory_pairs(log: ExecutionLog, slack: i
 
 _SCRIPT = """
 import numpy as np
-from services.trajectory.synthetic import ExecutionLog
-from services.trajectory.tree import build_tree
-log = ExecutionLog("exec-x")
+from services.trajectory.synthetic import SyntheticExecution
+from services.trajectory.tree_builder import build_tree
+log = SyntheticExecution("exec-x")
 rng = np.random.default_rng(7)
 for i in range(40):
     base = log.sequence(int(rng.integers(0, i))).tolist()[: int(rng.integers(0, 30))] if i else []
@@ -203,7 +204,7 @@ def test_digest_is_identical_across_processes() -> None:
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(call_logs(), st.integers(1, 6))
-def test_cap_keeps_at_most_k_paths_and_drops_only_uncovered_targets(log: ExecutionLog, k: int) -> None:
+def test_cap_keeps_at_most_k_paths_and_drops_only_uncovered_targets(log: SyntheticExecution, k: int) -> None:
     tree = build_tree(log.execution_id, log.records)
     result = cap_tree(tree, k)
     capped = result.tree
@@ -220,7 +221,7 @@ def test_cap_keeps_at_most_k_paths_and_drops_only_uncovered_targets(log: Executi
 @given(st.lists(st.tuples(st.lists(st.integers(0, 50), min_size=1, max_size=6),
                           st.lists(st.integers(0, 50), max_size=6)), min_size=1, max_size=10))
 def test_a_chain_of_continuations_is_one_trajectory(turns: list[tuple[list[int], list[int]]]) -> None:
-    log = ExecutionLog("exec-chain")
+    log = SyntheticExecution("exec-chain")
     context: list[int] = []
     for tool, completion in turns:
         log.call(context + tool, completion)

@@ -7,30 +7,24 @@ import pytest
 
 from services.trajectory.advantages import AdvantageError, ExecutionReward, compute_advantages
 from services.trajectory.cap import CapError, cap_tree, select_leaves
-from services.trajectory.packing import (
-    ExecutionInput,
-    PackingError,
-    build_training_batch,
-    first_fit_decreasing,
-    pack_trees,
-    split_tree,
-)
-from services.trajectory.synthetic import ExecutionLog
-from services.trajectory.tree import BranchLabel, TreeBuildError, build_tree
+from services.trajectory.synthetic import SyntheticExecution
+from services.trajectory.training_batch import ExecutionInput, build_training_batch
+from services.trajectory.tree_builder import BranchLabel, TreeBuildError, build_tree
 from shared.batch import TrainingBatch
 from shared.calls import CallRecord, CallTokens
+from shared.packing import PackingError, first_fit_decreasing, pack_trees, split_tree
 
 SYS = [100, 101, 102]  # "system prompt"
 TASK = [200, 201]
 USER, ASSIST = 300, 301  # role headers: the prompt ends with ASSIST, generated text follows
 
 
-def kinds(log: ExecutionLog, labels: tuple[BranchLabel, ...] = ()) -> list[str]:
+def kinds(log: SyntheticExecution, labels: tuple[BranchLabel, ...] = ()) -> list[str]:
     return [c.kind for c in build_tree(log.execution_id, log.records, labels).calls]
 
 
 def test_continuation_extends_the_previous_call_on_one_path() -> None:
-    log = ExecutionLog("e")
+    log = SyntheticExecution("e")
     log.call(SYS + TASK + [ASSIST], [1, 2, 3])
     log.call(log.sequence(0).tolist() + [USER, 7, ASSIST], [4, 5])
     tree = build_tree("e", log.records)
@@ -40,7 +34,7 @@ def test_continuation_extends_the_previous_call_on_one_path() -> None:
 
 
 def test_generated_tokens_stay_targets_when_resent_as_prompt() -> None:
-    log = ExecutionLog("e")
+    log = SyntheticExecution("e")
     log.call(SYS + [ASSIST], [1, 2, 3])
     log.call(log.sequence(0).tolist() + [USER, ASSIST], [4])
     tree = build_tree("e", log.records)
@@ -50,7 +44,7 @@ def test_generated_tokens_stay_targets_when_resent_as_prompt() -> None:
 
 
 def test_retry_branch_shares_prefix_with_original() -> None:
-    log = ExecutionLog("e")
+    log = SyntheticExecution("e")
     log.call(SYS + [ASSIST], [1, 2, 3])
     log.call(SYS + [ASSIST], [1, 9])  # re-sample from the same prompt; first token coincides
     tree = build_tree("e", log.records)
@@ -64,14 +58,14 @@ def test_retry_branch_shares_prefix_with_original() -> None:
 
 
 def test_a_retry_that_regenerates_the_previous_completion_and_more_is_still_a_retry() -> None:
-    log = ExecutionLog("e")
+    log = SyntheticExecution("e")
     log.call(SYS + [ASSIST], [1])  # cut short (a length limit, a timeout)
     log.call(SYS + [ASSIST], [1, 2, 3])  # the same prompt again: its completion happens to begin the same way
     assert kinds(log) == ["root", "retry"]
 
 
 def test_compaction_replaces_context_with_a_shorter_summary() -> None:
-    log = ExecutionLog("e")
+    log = SyntheticExecution("e")
     log.call(SYS + TASK + [ASSIST], [1, 2, 3, 4])
     log.call(log.sequence(0).tolist() + [USER, 5, 6, ASSIST], [7, 8])
     log.call(SYS + TASK + [USER, 50, 51, ASSIST], [9])  # summary of the above
@@ -79,7 +73,7 @@ def test_compaction_replaces_context_with_a_shorter_summary() -> None:
 
 
 def test_first_call_of_a_new_chain_is_a_delegation() -> None:
-    log = ExecutionLog("e")
+    log = SyntheticExecution("e")
     log.call(SYS + TASK + [ASSIST], [1, 2])
     log.call(SYS + [USER, 60, ASSIST], [61], chain_id="agent-1")
     log.call(log.sequence(1).tolist() + [USER, 62, ASSIST], [63], chain_id="agent-1")
@@ -88,7 +82,7 @@ def test_first_call_of_a_new_chain_is_a_delegation() -> None:
 
 
 def test_retokenization_drift_is_a_fork_and_keeps_the_original_targets() -> None:
-    log = ExecutionLog("e")
+    log = SyntheticExecution("e")
     log.call(SYS + [ASSIST], [1, 2, 3, 4])
     # The harness re-rendered the assistant text: 3, 4 became 33 — a divergence inside generated tokens.
     log.call(SYS + [ASSIST, 1, 2, 33, USER, ASSIST], [5])
@@ -105,14 +99,14 @@ def test_retokenization_drift_is_a_fork_and_keeps_the_original_targets() -> None
 
 
 def test_other_divergence_is_a_fork() -> None:
-    log = ExecutionLog("e")
+    log = SyntheticExecution("e")
     log.call(SYS + [ASSIST], [1])
     log.call(SYS + [77, 78, 79, 80, ASSIST], [2])  # history rewritten to something longer
     assert kinds(log) == ["root", "fork"]
 
 
 def test_branch_label_overrides_hint_and_inference() -> None:
-    log = ExecutionLog("e")
+    log = SyntheticExecution("e")
     log.call(SYS + [ASSIST], [1, 2])
     log.call(SYS + [ASSIST], [3], branch_hint="fork")
     log.call(SYS + [ASSIST], [4])
@@ -132,7 +126,7 @@ def test_unknown_label_kind_is_rejected() -> None:
 
 
 def test_gap_in_call_indices_is_rejected() -> None:
-    log = ExecutionLog("e")
+    log = SyntheticExecution("e")
     log.call([1], [2])
     log.call([1, 2], [3])
     with pytest.raises(TreeBuildError, match="expected call_index 0"):
@@ -140,7 +134,7 @@ def test_gap_in_call_indices_is_rejected() -> None:
 
 
 def test_parent_prefix_longer_than_parent_is_rejected() -> None:
-    log = ExecutionLog("e")
+    log = SyntheticExecution("e")
     log.call([1], [2])
     bad = CallRecord("e", "c1", 1, 0, 5, CallTokens(np.array([3], np.int32), np.zeros(0, np.int32),
                                                      np.zeros(0, np.float32)), 0)
@@ -151,9 +145,9 @@ def test_parent_prefix_longer_than_parent_is_rejected() -> None:
 # ---- cap ---------------------------------------------------------------------------------------
 
 
-def _fan_tree(execution_id: str = "e") -> ExecutionLog:
+def _fan_tree(execution_id: str = "e") -> SyntheticExecution:
     """Root prompt, then retries with 3, 1, 3 and 2 generated tokens."""
-    log = ExecutionLog(execution_id)
+    log = SyntheticExecution(execution_id)
     log.call(SYS + [ASSIST], [1, 2, 3])
     log.call(SYS + [ASSIST], [4])
     log.call(SYS + [ASSIST], [5, 6, 7])
@@ -176,7 +170,7 @@ def test_cap_keeps_most_uncovered_targets_ties_by_earliest_call() -> None:
 def test_cap_tie_break_does_not_move_with_an_unrelated_branch() -> None:
     """Two leaves tie; a later call that splits a node on one of their paths (and adds fewer targets than
     either) must not change which one is kept."""
-    log = ExecutionLog("e")
+    log = SyntheticExecution("e")
     log.call([1], [2])
     log.call([1], [5, 6, 7])  # 3 targets on its leaf, ending with call 1
     log.call([1, 2, 9], [10, 11])  # with 2: 3 targets on its path, ending with call 2
@@ -188,7 +182,7 @@ def test_cap_tie_break_does_not_move_with_an_unrelated_branch() -> None:
 
 
 def test_cap_counts_shared_targets_once() -> None:
-    log = ExecutionLog("e")
+    log = SyntheticExecution("e")
     log.call(SYS + [ASSIST], [1, 2, 3, 4, 5])  # a long shared generation
     log.call(log.sequence(0).tolist() + [USER, ASSIST], [6])  # leaf A: shares 5 targets, adds 1
     log.call(SYS + [ASSIST], [7, 8, 9])  # leaf B: 3 own targets
@@ -200,7 +194,7 @@ def test_cap_counts_shared_targets_once() -> None:
 
 
 def test_cap_stops_when_no_leaf_adds_a_target() -> None:
-    log = ExecutionLog("e")
+    log = SyntheticExecution("e")
     log.call(SYS + [ASSIST], [1])
     log.call(SYS + [USER, 5, 6], [])  # a context-only branch (e.g. a failed call)
     tree = build_tree("e", log.records)
@@ -246,8 +240,8 @@ def test_incomplete_group_is_rejected_when_size_given() -> None:
 # ---- packing -----------------------------------------------------------------------------------
 
 
-def _long_log(execution_id: str = "e") -> ExecutionLog:
-    log = ExecutionLog(execution_id)
+def _long_log(execution_id: str = "e") -> SyntheticExecution:
+    log = SyntheticExecution(execution_id)
     log.call(SYS + TASK + [ASSIST], [1, 2, 3, 4, 5, 6])
     log.call(log.sequence(0).tolist() + [USER, ASSIST], [7, 8, 9, 10])
     log.call(SYS + TASK + [ASSIST], [11, 12, 13])
@@ -259,7 +253,7 @@ def test_subtree_splitting_trains_every_target_once_under_a_small_budget() -> No
     tree = build_tree("e", _long_log().records)
     budget = int(tree.depth.max()) + 2
     assert tree.num_tokens > budget
-    pieces = split_tree(tree, 0, budget)
+    pieces = split_tree(tree.token_tree(), 0, budget)
     assert len(pieces) > 1
     assert all(p.num_tokens <= budget for p in pieces)
     # the ranges partition the tree
@@ -277,7 +271,7 @@ def test_subtree_splitting_trains_every_target_once_under_a_small_budget() -> No
 def test_budget_below_trajectory_depth_is_a_named_error() -> None:
     tree = build_tree("e", _long_log().records)
     with pytest.raises(PackingError, match="exceeds the micro-batch budget"):
-        split_tree(tree, 0, 4)
+        split_tree(tree.token_tree(), 0, 4)
 
 
 def test_first_fit_decreasing_fills_bins_in_size_order() -> None:
@@ -287,7 +281,7 @@ def test_first_fit_decreasing_fills_bins_in_size_order() -> None:
 def test_whole_trees_share_a_micro_batch_without_attending_each_other() -> None:
     a = build_tree("a", _fan_tree("a").records)
     b = build_tree("b", _long_log("b").records)
-    mbs = pack_trees([(a, 0), (b, 1)], a.num_tokens + b.num_tokens)
+    mbs = pack_trees([(a.token_tree(), 0), (b.token_tree(), 1)], a.num_tokens + b.num_tokens)
     assert len(mbs) == 1
     mb = mbs[0]
     mb.validate(2)
@@ -321,9 +315,9 @@ def test_zero_variance_group_is_left_out_of_the_batch_when_dropping() -> None:
 
 
 def test_stale_execution_is_left_out_but_its_reward_still_normalises_the_group() -> None:
-    fresh_log = ExecutionLog("fresh")
+    fresh_log = SyntheticExecution("fresh")
     fresh_log.call(SYS + [ASSIST], [1, 2], policy_version=5)
-    stale_log = ExecutionLog("stale")
+    stale_log = SyntheticExecution("stale")
     stale_log.call(SYS + [ASSIST], [3, 4], policy_version=2)
     inputs = [
         ExecutionInput("fresh", "q", build_tree("fresh", fresh_log.records), 1.0, sample_index=0),
