@@ -31,6 +31,7 @@ from shared.grouped_append import GROUPED_APPENDER_NAME, GroupedAppender
 from shared.store_sql import (
     APPEND,
     INSERT_BLOBS,
+    IS_PROCESSED,
     LOCK,
     MARK_PROCESSED,
     READ_RAW,
@@ -44,7 +45,6 @@ from shared.store_sql import (
     events_table,
     integrity_error,
     relay_table,
-    tracking_table,
 )
 
 MIGRATIONS = Path(__file__).parent / "migrations"
@@ -163,6 +163,7 @@ class EventStore:
         self._lock_key = _lock_key(schema)
         self.channel = notify_channel(schema)
         self._grouped: GroupedAppender | None = None
+        self._tracking = _TrackingReader(self)
         self.blobs = PostgresBlobStore(engine)
 
     @classmethod
@@ -186,6 +187,7 @@ class EventStore:
     async def close(self) -> None:
         if self._grouped is not None:
             await self._grouped.close()
+        await self._tracking.close()
         await self.engine.dispose()
 
     def dsn(self) -> str:
@@ -340,11 +342,8 @@ class EventStore:
     # ---- tracking and positions ----
 
     async def is_processed(self, consumer: str, event_id: uuid.UUID) -> bool:
-        stmt = sa.select(tracking_table.c.event_id).where(
-            tracking_table.c.consumer == consumer, tracking_table.c.event_id == event_id
-        )
-        async with self.engine.connect() as conn:
-            return (await conn.execute(stmt)).first() is not None
+        """Whether `consumer` recorded handling the event (the runtime's check before a handler computes)."""
+        return await self._tracking.is_processed(consumer, event_id)
 
     async def get_position(self, name: str) -> int:
         async with self.engine.connect() as conn:
@@ -360,6 +359,49 @@ class EventStore:
         async with self.engine.connect() as conn:
             async with conn.begin():
                 await conn.execute(stmt)
+
+
+class _TrackingReader:
+    """`is_processed` on an autocommit connection of its own: every handled event asks it first, and a pooled
+    checkout (with its pre-ping round trip) and a compiled SQLAlchemy select cost ten times the query's CPU
+    (≈ 880 against ≈ 80 µs measured). One query at a time (a connection runs one); a lost connection is
+    opened again once."""
+
+    def __init__(self, store: EventStore) -> None:
+        self.store = store
+        self._conn: psycopg.AsyncConnection[Any] | None = None
+        self._lock = asyncio.Lock()
+
+    async def is_processed(self, consumer: str, event_id: uuid.UUID) -> bool:
+        async with self._lock:
+            for attempt in (1, 2):
+                try:
+                    conn = await self._connection()
+                    cursor = await conn.execute(IS_PROCESSED, (consumer, event_id))
+                    return await cursor.fetchone() is not None
+                except psycopg.OperationalError:
+                    await self.close()
+                    if attempt == 2:
+                        raise
+        raise AssertionError("unreachable")
+
+    async def _connection(self) -> psycopg.AsyncConnection[Any]:
+        if self._conn is None or self._conn.closed:
+            if self.store.schema:  # otherwise the URL's own options stand
+                self._conn = await psycopg.AsyncConnection.connect(
+                    self.store.dsn(), autocommit=True, options=f"-csearch_path={self.store.schema}"
+                )
+            else:
+                self._conn = await psycopg.AsyncConnection.connect(self.store.dsn(), autocommit=True)
+        return self._conn
+
+    async def close(self) -> None:
+        if self._conn is not None:
+            try:
+                await self._conn.close()
+            except psycopg.Error:
+                pass
+            self._conn = None
 
 
 class PostgresBlobStore:

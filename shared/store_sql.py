@@ -174,6 +174,9 @@ def integrity_error(exc: psycopg.IntegrityError, events: Sequence[Event]) -> Sto
 MARK_PROCESSED = "INSERT INTO tracking (consumer, event_id) VALUES (%s, %s) ON CONFLICT DO NOTHING RETURNING event_id"
 
 
+IS_PROCESSED = "SELECT 1 FROM tracking WHERE consumer = %s AND event_id = %s"
+
+
 async def driver_of(conn: AsyncConnection) -> psycopg.AsyncConnection[Any]:
     """The psycopg connection under a SQLAlchemy one (same session, same transaction)."""
     driver: psycopg.AsyncConnection[Any] | None = (await conn.get_raw_connection()).driver_connection

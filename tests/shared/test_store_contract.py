@@ -94,6 +94,23 @@ async def test_tracking_commits_with_effects_or_not_at_all(es: EventStore):
     assert len(await es.read_stream("cell-out")) == 1
 
 
+async def test_the_processed_check_survives_losing_its_connection(es: EventStore):
+    """Every handled event asks `is_processed` first, on a connection of the store's own: a server that drops it
+    (a restart, an idle timeout) costs one reconnect, not the service."""
+    event = assigned("cell-a", 1)
+    async with es.transaction() as tx:
+        await tx.mark_processed("svc", event.event_id)
+    assert await es.is_processed("svc", event.event_id)
+    async with es.engine.connect() as conn:
+        killed = (await conn.execute(sa.text(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND pid <> pg_backend_pid() AND query LIKE 'SELECT 1 FROM tracking%'"
+        ))).scalar()
+    assert killed == 1
+    assert await es.is_processed("svc", event.event_id)
+    assert not await es.is_processed("svc", assigned("cell-b", 1).event_id)
+
+
 async def test_positions_are_saved_per_name(es: EventStore):
     assert await es.get_position("relay") == 0
     await es.set_position("relay", 42)
