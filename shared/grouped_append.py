@@ -12,6 +12,7 @@ import psycopg
 
 from shared.events import Event
 from shared.effects import ExpectedVersion
+from shared.own_connection import OwnConnection
 from shared.store_sql import ConcurrencyConflict, DuplicateEvent, StoreError, integrity_error
 
 
@@ -65,7 +66,7 @@ class GroupedAppender:
         self._inflight: list[_Queued] = []
         self._wake = asyncio.Event()
         self._closing = False
-        self._conn: psycopg.AsyncConnection[Any] | None = None
+        self._own = OwnConnection(store.dsn(), store.schema, application_name=GROUPED_APPENDER_NAME)
         self._task: asyncio.Task[None] | None = None
 
     async def append(self, events: Sequence[Event], blobs: Sequence[tuple[bytes, str]] = ()) -> None:
@@ -168,25 +169,10 @@ class GroupedAppender:
         return row is not None and row[0] == len(events)
 
     async def _connection(self) -> psycopg.AsyncConnection[Any]:
-        if self._conn is None or self._conn.closed:
-            if self.store.schema:  # otherwise the URL's own options stand
-                self._conn = await psycopg.AsyncConnection.connect(
-                    self.store.dsn(), application_name=GROUPED_APPENDER_NAME,
-                    options=f"-csearch_path={self.store.schema}",
-                )
-            else:
-                self._conn = await psycopg.AsyncConnection.connect(
-                    self.store.dsn(), application_name=GROUPED_APPENDER_NAME
-                )
-        return self._conn
+        return await self._own.get()
 
     async def _drop_connection(self) -> None:
-        if self._conn is not None:
-            try:
-                await self._conn.close()
-            except psycopg.Error:
-                pass
-            self._conn = None
+        await self._own.drop()
 
 
 __all__ = ["GROUPED_APPENDER_NAME", "AppendTarget", "GroupedAppender"]

@@ -28,6 +28,7 @@ from shared.blobs import DEFAULT_MEDIA_TYPE, BlobLocation, BlobNotFound, blob_re
 from shared.effects import Effects, ExpectedVersion
 from shared.events import BlobRef, Event, parse_event
 from shared.grouped_append import GROUPED_APPENDER_NAME, GroupedAppender
+from shared.own_connection import OwnConnection
 from shared.store_sql import (
     APPEND,
     INSERT_BLOBS,
@@ -368,40 +369,23 @@ class _TrackingReader:
     opened again once."""
 
     def __init__(self, store: EventStore) -> None:
-        self.store = store
-        self._conn: psycopg.AsyncConnection[Any] | None = None
+        self._own = OwnConnection(store.dsn(), store.schema, autocommit=True)
         self._lock = asyncio.Lock()
 
     async def is_processed(self, consumer: str, event_id: uuid.UUID) -> bool:
         async with self._lock:
             for attempt in (1, 2):
                 try:
-                    conn = await self._connection()
-                    cursor = await conn.execute(IS_PROCESSED, (consumer, event_id))
+                    cursor = await (await self._own.get()).execute(IS_PROCESSED, (consumer, event_id))
                     return await cursor.fetchone() is not None
                 except psycopg.OperationalError:
-                    await self.close()
+                    await self._own.drop()
                     if attempt == 2:
                         raise
         raise AssertionError("unreachable")
 
-    async def _connection(self) -> psycopg.AsyncConnection[Any]:
-        if self._conn is None or self._conn.closed:
-            if self.store.schema:  # otherwise the URL's own options stand
-                self._conn = await psycopg.AsyncConnection.connect(
-                    self.store.dsn(), autocommit=True, options=f"-csearch_path={self.store.schema}"
-                )
-            else:
-                self._conn = await psycopg.AsyncConnection.connect(self.store.dsn(), autocommit=True)
-        return self._conn
-
     async def close(self) -> None:
-        if self._conn is not None:
-            try:
-                await self._conn.close()
-            except psycopg.Error:
-                pass
-            self._conn = None
+        await self._own.drop()
 
 
 class PostgresBlobStore:
