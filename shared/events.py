@@ -135,18 +135,24 @@ class CellDraining(EventData):
 
 
 @register
-class CellDrained(EventData):
-    """The rollout worker of `cell_id` finished the drain a `cell.draining` asked for (its causation): each
-    session it moved has its own `kv.migrated`, appended before this; `parked_sessions` it still holds (no
-    active worker to take them, or a move failed: `detail` says which). The cell agent releases the cell on it."""
+class CellDrained(_Extended):
+    """What served the cell's role let go of it, as the `cell.draining` it answers (its causation) asked.
+
+    From a rollout cell, its worker: each session it moved has its own `kv.migrated`, appended before this;
+    `parked_sessions` it still holds (no active worker to take them, or a move failed: `detail` says which); its
+    engine then sleeps (a warm cell keeps the process). From a train cell, the trainer: the cell's rank left the
+    group at a step boundary (`worker_id` names the rank). `phases` times the parts (e.g. `drain_s`, `sleep_s`,
+    `wait_step_s`). The cell agent releases the cell on it."""
 
     TYPE: ClassVar[str] = "cell.drained"
+    WRITTEN_WHEN_SET: ClassVar[tuple[str, ...]] = ("phases",)
     cell_id: str
     worker_id: str
     migrated_sessions: int = Field(ge=0)
     parked_sessions: int = Field(ge=0)
     seconds: float = Field(ge=0)
     detail: str = ""
+    phases: dict[str, float] = Field(default_factory=dict)
 
 
 @register
@@ -159,12 +165,19 @@ class CellReleased(EventData):
 
 
 @register
-class CellReady(EventData):
+class CellReady(_Extended):
+    """The cell serves `role`, `switch_seconds` after its switch began. `warm`: its process for the role was
+    already running (woken or let into the group) rather than started; `phases` times the switch's parts as the
+    processes reported them (drain, sleep, group re-form, weight load, process start...)."""
+
     TYPE: ClassVar[str] = "cell.ready"
+    WRITTEN_WHEN_SET: ClassVar[tuple[str, ...]] = ("warm", "phases")
     cell_id: str
     role: Role
     switch_seconds: float = Field(ge=0)
     policy_version: int | None = None
+    warm: bool | None = None
+    phases: dict[str, float] = Field(default_factory=dict)
 
 
 # ---- rollout ---------------------------------------------------------------------------------------
@@ -382,14 +395,60 @@ class WeightsPublished(EventData):
 
 
 @register
-class WeightsLoaded(EventData):
-    """A rollout worker serves `version` from now on (it loaded a `weights.published`): the scheduler counts
-    the staleness bound from the oldest version the rollout cells serve (docs/operating.md)."""
+class WeightsLoaded(_Extended):
+    """A rollout worker serves `version` from now on: at its start, after waking on its cell, or after loading
+    a `weights.published`. The scheduler counts the staleness bound from the oldest version the rollout cells
+    serve (docs/operating.md); the cell agent takes a worker's first one after a start or a wake as its
+    readiness. `phases` times a start or a wake (e.g. `wake_s`, `load_s`)."""
 
     TYPE: ClassVar[str] = "weights.loaded"
+    WRITTEN_WHEN_SET: ClassVar[tuple[str, ...]] = ("phases",)
     cell_id: str
     worker_id: str
     version: int = Field(ge=0)
+    phases: dict[str, float] = Field(default_factory=dict)
+
+
+@register
+class RankReady(EventData):
+    """A trainer rank process on `cell_id` stands by (warm: imports done, model loaded) and can be let into the
+    trainer's group; `rank_id` names the process (a restarted one gets a new id)."""
+
+    TYPE: ClassVar[str] = "trainer.rank_ready"
+    cell_id: str
+    rank_id: str
+
+
+@register
+class GroupFormed(EventData):
+    """The trainer (re-)formed its ranks' process group: `members` are cell ids in rank order (empty: no cell
+    trains, the group is dissolved), resuming from the latest checkpoint before `next_step`. `phases` are the
+    slowest member's (`group_s`, `build_s`, `load_s`); `reason` says what changed (joined, left, failed)."""
+
+    TYPE: ClassVar[str] = "trainer.group_formed"
+    generation: int = Field(ge=1)
+    members: list[str]
+    world_size: int = Field(ge=0)
+    next_step: int = Field(ge=0)
+    seconds: float = Field(ge=0)
+    phases: dict[str, float] = Field(default_factory=dict)
+    reason: str = ""
+
+
+@register
+class RankStepped(EventData):
+    """One rank's part of a training step: what it computed, in which group (the report's world size per step
+    and each rank's work)."""
+
+    TYPE: ClassVar[str] = "trainer.rank_stepped"
+    step: int = Field(ge=0)
+    generation: int = Field(ge=1)
+    cell_id: str
+    rank: int = Field(ge=0)
+    world_size: int = Field(ge=1)
+    micro_batches: int = Field(ge=0)
+    tokens: int = Field(ge=0)
+    seconds: float = Field(ge=0)
 
 
 # ---- envelope --------------------------------------------------------------------------------------
