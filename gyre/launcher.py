@@ -27,7 +27,8 @@ from rich.live import Live
 from rich.table import Table
 
 from gyre import local
-from gyre.report import build_report, summary_lines, write_report
+from gyre.report import build_report, summary_lines
+from gyre.report_plots import write_report
 from gyre.processes import Proc, ServiceKeptDying, restart, service_processes, start_all, stop_all
 from shared.events import (
     CellAssigned,
@@ -90,9 +91,8 @@ def loop_environment(
         "GYRE_ROLLOUT_PORT": str(gateway_port),
         "GYRE_ROLLOUT_MODEL_NAME": "gyre-tiny",
         "GYRE_HARNESS_GATEWAY_URL": f"http://127.0.0.1:{gateway_port}",
-        # The gateway's internal API (register, end executions) answers only the harness: the sandboxes' route
-        # to the gateway carries any path, and an agent must not lift its own call budget.
-        # Execution tokens derived from this secret survive a gateway restart (the launcher restarts services).
+        # The harness derives each execution's token from this secret and the gateway recognises it (no call
+        # between them); the tokens survive a gateway restart (the launcher restarts services).
         "GYRE_ROLLOUT_TOKEN_SECRET": token_secret,
         "GYRE_HARNESS_MODEL_NAME": "gyre-tiny",
         "GYRE_HARNESS_WORK_DIR": str(run_dir / "executions"),

@@ -1,25 +1,30 @@
-"""The run report: training-score curve, per-cell role timeline, tree statistics and switch durations,
-computed from a run's events alone (so a report can be rebuilt from the log or an export at any time).
+"""The run report: training-score curve, per-step cells in each role and the trainer's world size, every role switch
+with its phases and the sessions it moved, tree statistics — computed from a run's events alone, so a report can
+be rebuilt from the log or an export at any time. Pure; the images are gyre/report_plots.py.
 """
 
 from __future__ import annotations
 
 import json
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from shared.events import (
     BatchReady,
     CellAssigned,
+    CellDrained,
+    CellDraining,
     CellReady,
     CellReleased,
     Event,
     ExecutionBranched,
     ExecutionScored,
     ExecutionStarted,
+    GroupFormed,
+    KvMigrated,
+    RankStepped,
     StepCompleted,
 )
 
@@ -32,6 +37,24 @@ class StepRow:
     executions: int
     loss: float | None = None
     seconds: float | None = None
+    world_size: int | None = None  # the trainer group's, from step.completed
+    roles: dict[str, int] = field(default_factory=dict)  # cells serving each role when the step completed
+    ranks: list[dict[str, Any]] = field(default_factory=list)  # each rank's part (trainer.rank_stepped)
+
+
+@dataclass
+class Switch:
+    """One cell's switch from `cell.assigned` (or `cell.draining`) to `cell.ready`."""
+
+    cell_id: str
+    from_role: str
+    to_role: str
+    start_s: float
+    seconds: float | None = None  # cell.ready's switch_seconds
+    warm: bool | None = None
+    phases: dict[str, float] = field(default_factory=dict)
+    sessions_moved: dict[str, int] = field(default_factory=dict)  # by method: kv, recompute
+    sessions_parked: int = 0
 
 
 @dataclass
@@ -54,6 +77,8 @@ class RunReport:
     dedup_factor: float | None = None
     switches: list[dict[str, Any]] = field(default_factory=list)
     timeline: list[dict[str, Any]] = field(default_factory=list)
+    world_sizes: list[dict[str, Any]] = field(default_factory=list)  # trainer.group_formed: t, world size, why
+    migrations: dict[str, int] = field(default_factory=dict)  # sessions moved, by method
     wall_s: float | None = None
 
     def to_json(self) -> str:
@@ -65,9 +90,14 @@ def build_report(run_id: str, events: Sequence[Event]) -> RunReport:
     report = RunReport(run_id=run_id)
     step_of: dict[str, int] = {}
     rewards: dict[int, list[float]] = defaultdict(list)
-    losses: dict[int, tuple[float | None, float]] = {}
-    branches: dict[str, int] = defaultdict(int)
+    completed: dict[int, StepCompleted] = {}
+    ranks: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    roles_at: dict[int, dict[str, int]] = {}
+    branches: Counter[str] = Counter()
+    migrations: Counter[str] = Counter()
     role_since: dict[str, tuple[str, float]] = {}
+    serving: dict[str, str] = {}  # cell -> the role it serves (cell.ready) until it leaves it
+    switching: dict[str, Switch] = {}
     t0 = events[0].occurred_at if events else None
 
     def t(event: Event) -> float:
@@ -92,30 +122,55 @@ def build_report(run_id: str, events: Sequence[Event]) -> RunReport:
             report.flat_tokens += data.flat_tokens
             report.stale_executions += data.stale_executions
         elif isinstance(data, StepCompleted):
-            losses[data.step] = (data.metrics.get("loss"), data.seconds)
+            completed[data.step] = data
+            roles_at[data.step] = dict(sorted(Counter(serving.values()).items()))
+        elif isinstance(data, RankStepped):
+            ranks[data.step].append({"cell_id": data.cell_id, "rank": data.rank, "tokens": data.tokens,
+                                     "micro_batches": data.micro_batches, "seconds": data.seconds})
+        elif isinstance(data, GroupFormed):
+            report.world_sizes.append({"t_s": t(event), "world_size": data.world_size, "members": data.members,
+                                       "generation": data.generation, "seconds": data.seconds,
+                                       "reason": data.reason})
         elif isinstance(data, CellAssigned):
             _close_segment(report, role_since, data.cell_id, t(event))
             role_since[data.cell_id] = (f"{data.role} (switching)", t(event))
+            old = serving.pop(data.cell_id, "idle")
+            switching[data.cell_id] = Switch(data.cell_id, from_role=old, to_role=data.role, start_s=t(event))
+        elif isinstance(data, CellDrained):
+            if (switch := switching.get(data.cell_id)) is not None:
+                switch.phases.update(data.phases)
+                switch.sessions_parked += data.parked_sessions
+        elif isinstance(data, KvMigrated):
+            migrations[data.method] += 1
+            if (switch := switching.get(data.from_cell)) is not None:
+                switch.sessions_moved[data.method] = switch.sessions_moved.get(data.method, 0) + 1
         elif isinstance(data, CellReady):
             _close_segment(report, role_since, data.cell_id, t(event))
             role_since[data.cell_id] = (data.role, t(event))
-            report.switches.append({"cell_id": data.cell_id, "role": data.role, "seconds": data.switch_seconds})
-        elif isinstance(data, CellReleased):
-            pass
+            serving[data.cell_id] = data.role
+            switch = switching.pop(data.cell_id, None) or Switch(data.cell_id, "idle", data.role, t(event))
+            switch.seconds, switch.warm = data.switch_seconds, data.warm
+            switch.phases.update(data.phases)
+            report.switches.append(asdict(switch))
+        elif isinstance(data, (CellDraining, CellReleased)):
+            serving.pop(data.cell_id, None)  # between roles: it serves neither until cell.ready
     end = t(events[-1]) if events else 0.0
     for cell_id in list(role_since):
         _close_segment(report, role_since, cell_id, end)
     for step in sorted(rewards):
         values = rewards[step]
-        loss, seconds = losses.get(step, (None, None))
+        done = completed.get(step)
         report.steps.append(
             StepRow(
                 step=step,
                 mean_reward=sum(values) / len(values),
                 pass_rate=sum(1 for v in values if v >= 1.0) / len(values),
                 executions=len(values),
-                loss=loss,
-                seconds=seconds,
+                loss=done.metrics.get("loss") if done else None,
+                seconds=done.seconds if done else None,
+                world_size=done.world_size if done else None,
+                roles=roles_at.get(step, {}),
+                ranks=sorted(ranks.get(step, []), key=lambda r: r["rank"]),
             )
         )
     if report.steps:
@@ -126,6 +181,7 @@ def build_report(run_id: str, events: Sequence[Event]) -> RunReport:
         report.reward_head = _mean([r.mean_reward for r in report.steps[:k]])
         report.reward_tail = _mean([r.mean_reward for r in report.steps[-k:]])
     report.branches = dict(sorted(branches.items()))
+    report.migrations = dict(sorted(migrations.items()))
     if report.unique_tokens:
         report.dedup_factor = report.flat_tokens / report.unique_tokens
     report.wall_s = end
@@ -143,53 +199,10 @@ def _close_segment(report: RunReport, open_: dict[str, tuple[str, float]], cell_
             report.timeline.append({"cell_id": cell_id, "role": role, "start_s": since, "end_s": now})
 
 
-def write_report(report: RunReport, out_dir: Path) -> list[Path]:
-    """report.json plus PNGs: the training-score curve and the per-cell timeline."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = [out_dir / "report.json"]
-    written[0].write_text(report.to_json())
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    steps = [r.step for r in report.steps]
-    ax.plot(steps, [r.mean_reward for r in report.steps], marker="o", label="mean group reward")
-    ax.plot(steps, [r.pass_rate for r in report.steps], marker="s", linestyle="--", label="pass rate")
-    if len(steps) >= 6:
-        means = [r.mean_reward for r in report.steps]
-        smooth = [_mean(means[max(0, i - 2) : i + 1]) for i in range(len(means))]
-        ax.plot(steps, smooth, color="black", linewidth=2, label="mean reward, 3-step average")
-    ax.set_xlabel("RL step")
-    ax.set_ylabel("score")
-    ax.set_ylim(-0.05, 1.05)
-    ax.set_title(f"Training score — {report.run_id}")
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(out_dir / "training_curve.png", dpi=120)
-    plt.close(fig)
-    written.append(out_dir / "training_curve.png")
-
-    cells = sorted({seg["cell_id"] for seg in report.timeline})
-    if cells:
-        colours = {"rollout": "tab:blue", "train": "tab:orange", "idle": "lightgrey"}
-        fig, ax = plt.subplots(figsize=(7, 0.6 * len(cells) + 1.2))
-        for y, cell in enumerate(cells):
-            for seg in (s for s in report.timeline if s["cell_id"] == cell):
-                role = seg["role"].split(" ")[0]
-                hatch = "//" if "switching" in seg["role"] else None
-                ax.barh(y, seg["end_s"] - seg["start_s"], left=seg["start_s"], color=colours.get(role, "grey"),
-                        hatch=hatch, edgecolor="black", linewidth=0.3)
-        ax.set_yticks(range(len(cells)), cells)
-        ax.set_xlabel("seconds since the run started")
-        ax.set_title("Cell roles (blue rollout, orange train, hatched: switching)")
-        fig.tight_layout()
-        fig.savefig(out_dir / "cell_timeline.png", dpi=120)
-        plt.close(fig)
-        written.append(out_dir / "cell_timeline.png")
-    return written
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def summary_lines(report: RunReport) -> list[str]:
@@ -208,7 +221,21 @@ def summary_lines(report: RunReport) -> list[str]:
         lines.append(f"tokens: {report.unique_tokens} unique, {report.flat_tokens} flat (dedup ×{report.dedup_factor:.2f})")
     if report.branches:
         lines.append("branches: " + ", ".join(f"{k} {v}" for k, v in report.branches.items()))
+    sizes = sorted({r.world_size for r in report.steps if r.world_size is not None})
+    if sizes:
+        lines.append("trainer world size per step: " + (str(sizes[0]) if len(sizes) == 1 else
+                                                        f"{sizes[0]}–{sizes[-1]} (" + " ".join(
+                                                            str(r.world_size) for r in report.steps) + ")"))
+    by_kind: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for s in report.switches:
+        if s["from_role"] != "idle" and s["seconds"] is not None:
+            by_kind[(s["from_role"], s["to_role"])].append(s)
+    first_starts = sum(1 for s in report.switches if s["from_role"] == "idle")
     if report.switches:
-        mean = sum(s["seconds"] for s in report.switches) / len(report.switches)
-        lines.append(f"{len(report.switches)} role switches, mean {mean:.2f} s")
+        lines.append(f"{len(report.switches)} cell switches ({first_starts} first starts)" + "".join(
+            f"; {a}→{b} ×{len(v)}, median {_median([s['seconds'] for s in v]):.2f} s"
+            + (f" ({sum(1 for s in v if s['warm'])} warm)" if any(s["warm"] is not None for s in v) else "")
+            for (a, b), v in sorted(by_kind.items())))
+    if report.migrations:
+        lines.append("sessions moved: " + ", ".join(f"{n} by {m}" for m, n in report.migrations.items()))
     return lines

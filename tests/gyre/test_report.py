@@ -15,7 +15,8 @@ from shared.events import (
     StepCompleted,
     new_event,
 )
-from gyre.report import build_report, summary_lines, write_report
+from gyre.report import build_report, summary_lines
+from gyre.report_plots import write_report
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -78,3 +79,64 @@ def test_executions_infrastructure_ended_are_counted_but_kept_out_of_the_reward_
     assert report.executions == 9 and report.infra_failures == 1
     assert report.steps[1].mean_reward == 0.875 and report.steps[1].executions == 4
     assert "1 ended by infrastructure" in summary_lines(report)[0]
+
+
+def test_an_elastic_run_reports_roles_and_world_size_per_step_and_each_switch_with_its_phases(tmp_path):
+    from shared.events import CellDrained, CellDraining, CellReleased, GroupFormed, KvMigrated, RankStepped
+
+    def scored(step: int, t: float) -> list:
+        eid = f"e{step}"
+        return [ev(ExecutionStarted(execution_id=eid, query_id=f"q{step}", task_id="t", group_size=1,
+                                    sample_index=0, seed=0, step=step), t),
+                ev(ExecutionScored(execution_id=eid, query_id=f"q{step}", reward=1.0, tests_passed=1,
+                                   tests_total=1), t + 1)]
+
+    def formed(generation: int, members: list[str], t: float):
+        return ev(GroupFormed(generation=generation, members=members, world_size=len(members), next_step=0,
+                              seconds=1.0, reason="joined"), t)
+
+    events = [
+        ev(CellAssigned(cell_id="c0", role="rollout", policy="elastic"), 0),
+        ev(CellAssigned(cell_id="c1", role="rollout", policy="elastic"), 0),
+        ev(CellAssigned(cell_id="c2", role="train", policy="elastic"), 0),
+        ev(CellReady(cell_id="c0", role="rollout", switch_seconds=60.0, warm=False), 60),
+        ev(CellReady(cell_id="c1", role="rollout", switch_seconds=61.0, warm=False), 61),
+        formed(1, ["c2"], 62),
+        ev(CellReady(cell_id="c2", role="train", switch_seconds=62.0, warm=False), 62),
+        *scored(0, 63),
+        ev(RankStepped(step=0, generation=1, cell_id="c2", rank=0, world_size=1, micro_batches=2, tokens=90,
+                       seconds=2.0), 66),
+        ev(StepCompleted(step=0, policy_version=1, world_size=1, seconds=2.0, metrics={"loss": 0.2}), 66),
+        # c1 moves to training with two live sessions: one by its KV, one recomputed.
+        ev(CellAssigned(cell_id="c1", role="train", policy="elastic"), 70),
+        ev(CellDraining(cell_id="c1", from_role="rollout"), 70.1),
+        ev(KvMigrated(execution_id="x", from_cell="c1", to_cell="c0", tokens=500, bytes=10, seconds=0.2,
+                      method="kv"), 70.5),
+        ev(KvMigrated(execution_id="y", from_cell="c1", to_cell="c0", tokens=50, bytes=0, seconds=0.1,
+                      method="recompute"), 70.7),
+        ev(CellDrained(cell_id="c1", worker_id="w1", migrated_sessions=2, parked_sessions=0, seconds=0.7,
+                       phases={"drain_s": 0.6, "sleep_s": 0.1}), 70.8),
+        ev(CellReleased(cell_id="c1", from_role="rollout", migrated_sessions=2, seconds=0.8), 70.9),
+        formed(2, ["c2", "c1"], 72),
+        ev(CellReady(cell_id="c1", role="train", switch_seconds=2.0, warm=True,
+                     phases={"drain_s": 0.6, "sleep_s": 0.1, "group_s": 0.5, "load_s": 0.4}), 72),
+        *scored(1, 73),
+        *(ev(RankStepped(step=1, generation=2, cell_id=c, rank=r, world_size=2, micro_batches=1, tokens=45,
+                         seconds=1.1), 76) for r, c in enumerate(["c2", "c1"])),
+        ev(StepCompleted(step=1, policy_version=2, world_size=2, seconds=1.2, metrics={"loss": 0.1}), 76),
+    ]
+    report = build_report("r", events)
+    assert [(s.step, s.world_size, s.roles) for s in report.steps] == [
+        (0, 1, {"rollout": 2, "train": 1}), (1, 2, {"rollout": 1, "train": 2})]
+    assert [r["cell_id"] for r in report.steps[1].ranks] == ["c2", "c1"]
+    moved = report.switches[-1]
+    assert (moved["cell_id"], moved["from_role"], moved["to_role"], moved["warm"]) == ("c1", "rollout", "train", True)
+    assert moved["sessions_moved"] == {"kv": 1, "recompute": 1}
+    assert moved["phases"] == {"drain_s": 0.6, "sleep_s": 0.1, "group_s": 0.5, "load_s": 0.4}
+    assert report.migrations == {"kv": 1, "recompute": 1}
+    assert [g["world_size"] for g in report.world_sizes] == [1, 2]
+    text = "\n".join(summary_lines(report))
+    assert "trainer world size per step: 1–2 (1 2)" in text
+    assert "rollout→train ×1, median 2.00 s (1 warm)" in text and "3 first starts" in text
+    assert "sessions moved: 1 by kv, 1 by recompute" in text
+    assert {f.name for f in write_report(report, tmp_path)} == {"report.json", "training_curve.png", "cell_timeline.png"}
