@@ -13,7 +13,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-WorkerState = Literal["active", "draining", "drained"]
+# `standby`: the engine is loaded but asleep while the cell serves another role (training); nothing is placed or
+# adopted on it until its cell is released back to rollout and it wakes.
+WorkerState = Literal["active", "draining", "drained", "standby"]
 
 
 class WorkerStatus(BaseModel):

@@ -1,5 +1,6 @@
 """The vLLM implementation of the engine port (`engine_port.Engine`): V1 AsyncLLM, continuous batching, prefix
-caching, KV moved between workers through Gyre's connector. Only the worker service imports it.
+caching, KV moved between workers through Gyre's connector, sleep while the cell trains. Only the worker service
+imports it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,22 @@ class VllmConfig:
     kv_storage: Path | None = None  # shared folder for KV migration between workers (None: recompute only)
     gpu_memory_utilization: float = 0.5
     max_num_seqs: int = 64
+    # vLLM's sleep mode (level 1: weights to host memory, KV cache freed). None: where the platform has it (CUDA,
+    # ROCm, XPU); on CPU vLLM refuses it and `sleep` pauses generation instead.
+    sleep_mode: bool | None = None
+
+
+def sleep_mode_available() -> bool:
+    """Whether this platform has vLLM's sleep mode (`Platform.is_sleep_mode_available`; not on CPU)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_sleep_mode_available())
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
 
 
 def prepare_cpu_environment(work_dir: Path) -> None:
@@ -53,6 +70,8 @@ class VllmEngine:
         self.max_model_len: int = int(vcfg.model_config.max_model_len)
         self.block_size: int = int(vcfg.cache_config.block_size)
         self.kv_transfer = config.kv_storage is not None
+        self.sleep_mode = bool(vcfg.model_config.enable_sleep_mode)
+        self.asleep = False
 
     @classmethod
     def start(cls, config: VllmConfig) -> VllmEngine:
@@ -68,6 +87,12 @@ class VllmEngine:
                 "kv_role": "kv_both",
                 "kv_connector_extra_config": {"shared_storage_path": str(config.kv_storage)},
             }
+        sleep_mode = sleep_mode_available() if config.sleep_mode is None else config.sleep_mode
+        # On CPU a prompt is never split across engine steps: a seeded request whose prefill is chunked has its
+        # sampled token discarded and vLLM rewinds its torch generator, which a CPU generator cannot do (the
+        # engine core dies: "CPU Generator does not use offset"). Seen when a drain moves several long sessions
+        # onto a worker at once. The budget holds the longest prompt, so a request waits rather than split.
+        cpu = _on_cpu()
         args = AsyncEngineArgs(
             model=str(config.model),
             dtype=config.dtype,  # type: ignore[arg-type]  # validated by vLLM
@@ -77,6 +102,9 @@ class VllmEngine:
             seed=config.seed,
             disable_log_stats=True,
             max_num_seqs=config.max_num_seqs,
+            enable_sleep_mode=sleep_mode,
+            enable_chunked_prefill=False if cpu else None,
+            max_num_batched_tokens=max(config.max_model_len, 2048) if cpu else None,
             kv_transfer_config=kv_transfer,  # type: ignore[arg-type]  # vLLM parses the dict form
         )
         return cls(AsyncLLM.from_engine_args(args), config)
@@ -153,6 +181,32 @@ class VllmEngine:
                 return
             await asyncio.sleep(0.1)
         raise RuntimeError("vLLM kept its prefix cache: requests still hold blocks after the weight swap")
+
+    async def sleep(self) -> None:
+        """With sleep mode, vLLM's level 1: weights offloaded to host memory, KV cache freed (and with it the
+        prefix cache). On CPU, where vLLM has no sleep mode, the engine pauses its scheduler and drops the prefix
+        cache: the weights and the KV cache's memory stay allocated and the engine process stays up, so a CPU
+        sleep frees nothing; what it gives is a worker that serves nothing and keeps no KV of the old policy.
+        "wait", not vLLM's default "abort": the worker sleeps with nothing in flight, and were anything still
+        running it must finish rather than come back cut short as if it had stopped."""
+        if self.asleep:
+            return
+        if self.sleep_mode:
+            await self._llm.sleep(level=1, mode="wait")
+        else:
+            await self._llm.pause_generation(mode="wait", clear_cache=True)
+        self.asleep = True
+
+    async def wake(self) -> None:
+        """Back to serving, with the weights it had before `sleep` (the worker then loads newer ones) and an empty
+        prefix cache."""
+        if not self.asleep:
+            return
+        if self.sleep_mode:
+            await self._llm.wake_up()
+        else:
+            await self._llm.resume_generation()
+        self.asleep = False
 
     def _kv_folder(self, prompt: list[int]) -> Path | None:
         if self.config.kv_storage is None:

@@ -38,6 +38,17 @@ class Engine(Protocol):
 
     async def reset_prefix_cache(self) -> None: ...
 
+    async def sleep(self) -> None:
+        """Stop generating while the cell serves another role, freeing what the platform can: with vLLM's sleep
+        mode (GPU) the weights go to host memory and the KV cache is freed; elsewhere (CPU) generation pauses and
+        the prefix cache is dropped, nothing is freed. Called with no request in flight; a request sent before
+        `wake` waits."""
+        ...
+
+    async def wake(self) -> None:
+        """Undo `sleep`: the same weights as before it, an empty prefix cache, generation resumed."""
+        ...
+
     def kv_bytes(self, prompt: list[int]) -> int:
         """Bytes the connector stored for this prompt's saved KV (0 when nothing is stored)."""
         ...

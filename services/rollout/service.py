@@ -1,6 +1,7 @@
 """Process entry points of the rollout service: a worker process per rollout cell (loads published weights and
-says so with `weights.loaded`, at start-up too; carries out drains, reporting each as `cell.drained`, and ordered
-moves), and the gateway process (takes executions up from `execution.started`, ends them on their end).
+says so with `weights.loaded`, at start-up and on waking too; carries out drains, then sleeps in standby, reporting
+each as `cell.drained`; wakes on its cell's release from another role; carries out ordered moves), and the
+gateway process (takes executions up from `execution.started`, ends them on their end).
 
 `main(["worker"])` / `main(["gateway"])` (what `python -m services.rollout` calls); settings come from
 `GYRE_…` (shared) and `GYRE_ROLLOUT_…` (below).
@@ -12,18 +13,31 @@ import asyncio
 import contextlib
 import os
 import sys
+import time
+import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from services.rollout.lifecycle import (
+    drains_me,
+    latest_assignment,
+    newest_publication,
+    orders_me,
+    release_while_starting,
+    wakes_me,
+)
 from services.rollout.protocol import DrainRequest
 from services.rollout.router import Router, WorkerDirectory
+from shared.cells import Role
 from shared.effects import Effects
 from shared.events import (
+    CellAssigned,
     CellDrained,
     CellDraining,
+    CellReleased,
     Event,
     EventData,
     ExecutionFinished,
@@ -56,6 +70,11 @@ class RolloutSettings(BaseSettings):
     dtype: str = "float32"
     kv_storage: Path | None = None  # shared folder for KV migration; unset: migrate by recompute
     heartbeat_s: float = 1.0
+    # Start in standby (engine loaded, warmed up and asleep; no `weights.loaded`) until the cell is released to
+    # rollout: the cell agent's second, warm process on a cell that starts in another role.
+    standby: bool = False
+    # vLLM's sleep mode (GPU: weights offloaded, KV freed while standing by). Unset: where the platform has it.
+    sleep_mode: bool | None = None
     # gateway
     host: str = "127.0.0.1"
     port: int = 8400
@@ -77,6 +96,14 @@ class RolloutWorkerService(Service):
         self.engine: Any = None
         self._watch: Any = None
         self.process_started_at = datetime.now(UTC)
+        # Drains (with the sleep after them), wakes and weight loads one at a time: each changes what the engine
+        # serves, and a publication must not load into an engine going to sleep or still waking.
+        self._lifecycle = asyncio.Lock()
+        self._woken_by: tuple[uuid.UUID, dict[str, float]] | None = None  # the release that last woke it, its phases
+        self._loaded_by: uuid.UUID | None = None  # the publication event it last loaded from its consumer
+        # When the latest drain order (or the process start) put it to sleep: only a release after it wakes it.
+        self._asleep_since = self.process_started_at
+        self._cell_role: Role | None = None  # the cell's latest assignment (None: its log has none yet)
 
     async def setup(self) -> None:
         from services.rollout.engine import (
@@ -92,9 +119,10 @@ class RolloutWorkerService(Service):
             raise RuntimeError("GYRE_MODEL_DIR must name the model the worker serves")
         r = self.rollout
         prepare_cpu_environment(Path(self.settings.state_dir) / "vllm")
+        t0 = time.perf_counter()
         self.engine = VllmEngine.start(
             VllmConfig(model=self.settings.model_dir, max_model_len=r.max_model_len, dtype=r.dtype,
-                       kv_storage=r.kv_storage)
+                       kv_storage=r.kv_storage, sleep_mode=r.sleep_mode)
         )
         directory = WorkerDirectory()
         self._watch = await watch_statuses(self.bus, directory)
@@ -107,20 +135,36 @@ class RolloutWorkerService(Service):
             emit=self._emit_data,
             peers=NatsPeers(self.bus, directory),
         )
-        latest = await self.store.read_all(types=["weights.published"], run_id=self.settings.run_id)
-        if latest:
-            await self._load(latest[-1].event)
-        self.log.info("engine_warmed_up", seconds=round(await self.engine.warm_up(), 3))
+        t1 = time.perf_counter()
+        await self._load_newest()
+        t2 = time.perf_counter()
+        await self.engine.warm_up()
+        t3 = time.perf_counter()
+        phases = {"engine_s": t1 - t0, "load_s": t2 - t1, "warm_up_s": t3 - t2}
+        if r.standby:
+            # Asleep before its first heartbeat: no router or draining peer ever sees it active.
+            phases["sleep_s"] = (await self.worker.sleep()).seconds
+        self.log.info("worker_started", standby=r.standby, version=self.worker.policy_version,
+                      **{k: round(v, 3) for k, v in phases.items()})
         self.server = await WorkerServer(self.worker, self.bus, heartbeat_s=r.heartbeat_s).start()
-        # Serving now: the cell agent learns readiness and the version served from the log, not a heartbeat.
-        await self.record(self._weights_loaded())
+        cell_log = [s.event for s in await self.store.read_stream(stream_id_for("cell", cell))]
+        self._cell_role = latest_assignment(cell_log, cell)
+        if not r.standby:
+            # Serving now: the cell agent learns readiness and the version served from the log, not a heartbeat.
+            await self.record(self._weights_loaded(phases=phases))
+        elif (missed := release_while_starting(cell_log, cell)) is not None:
+            # Released to rollout while this process was still starting: wake now, as that release asked.
+            effects = await self.wake(missed, missed=True)
+            if effects is not None:
+                await self.record(effects)
         # Every worker must see every publication: one durable consumer per worker.
-        self.on(["weights.published", "cell.draining", "kv.migration_ordered"], self.handle,
-                durable=f"rollout-worker-{self.worker.worker_id}")
+        self.on(["weights.published", "cell.assigned", "cell.draining", "cell.released", "kv.migration_ordered"],
+                self.handle, durable=f"rollout-worker-{self.worker.worker_id}")
 
-    def _weights_loaded(self, cause: Event | None = None) -> Effects:
+    def _weights_loaded(self, cause: Event | None = None, phases: dict[str, float] | None = None) -> Effects:
         w = self.worker
-        loaded = WeightsLoaded(cell_id=w.cell_id, worker_id=w.worker_id, version=w.policy_version)
+        loaded = WeightsLoaded(cell_id=w.cell_id, worker_id=w.worker_id, version=w.policy_version,
+                               phases=dict(phases or {}))
         effects = Effects()
         effects.append([self.event(loaded, stream_id=stream_id_for("cell", w.cell_id), cause=cause)],
                        expected_version="any")
@@ -129,67 +173,99 @@ class RolloutWorkerService(Service):
     async def _emit_data(self, data: list[EventData] | Any) -> None:
         await self.emit([self.event(d, stream_id=stream_id_for("cell", self.worker.cell_id)) for d in data])
 
-    async def _load(self, event: Event) -> None:
+    async def _load(self, published: WeightsPublished) -> bool:
+        """Load a publication newer than what the worker serves; returns whether it did."""
         from safetensors.torch import load as load_safetensors
 
-        assert isinstance(event.data, WeightsPublished) and self.store is not None
-        if not self.worker.wants(event.data.version):
-            return  # an older publication delivered late: not worth its download
-        blob = await self.blobs.get(event.data.weights)
-        await self.worker.apply_weights(event.data.version, load_safetensors(blob))
+        if not self.worker.wants(published.version):
+            return False  # an older publication delivered late, or one loaded at start: not worth its download
+        blob = await self.blobs.get(published.weights)
+        return bool(await self.worker.apply_weights(published.version, load_safetensors(blob)))
 
-    def _drains_me(self, event: Event) -> bool:
-        """A drain order for this worker: its cell, leaving the rollout role, issued after this process began.
-
-        The per-cell durable consumer outlives the worker process, so a new worker on a cell that switched
-        (rollout → train → rollout) is also handed the cell's earlier drains, and the one for leaving the
-        train role; those are not for it. The cell agent issuing the order runs on the same node, so the
-        clocks agree.
-        """
-        data = event.data
-        assert isinstance(data, CellDraining) and self.worker is not None
-        return (
-            data.cell_id == self.worker.cell_id
-            and data.from_role == "rollout"
-            and event.occurred_at >= self.process_started_at
-        )
-
-    def _orders_me(self, event: Event) -> bool:
-        """A session move ordered off this worker's cell. Unlike a drain it is not dated against this process's
-        start (the scheduler's clock is another node's): an order for an earlier worker on the cell names
-        sessions this one does not hold, and `move_execution` moves only sessions it holds."""
-        data = event.data
-        assert isinstance(data, KvMigrationOrdered) and self.worker is not None
-        return data.from_cell == self.worker.cell_id
+    async def _load_newest(self) -> None:
+        """Load the run's newest published weights when they are newer than what the worker serves (read from the
+        log, which the bus's delivery may lag behind)."""
+        assert self.store is not None
+        stored = await self.store.read_all(types=["weights.published"], run_id=self.settings.run_id)
+        newest = newest_publication(s.event.data for s in stored if isinstance(s.event.data, WeightsPublished))
+        if newest is not None:
+            await self._load(newest)
 
     async def handle(self, event: Event) -> Effects | None:
-        if isinstance(event.data, KvMigrationOrdered):
-            if self._orders_me(event):
+        data, w = event.data, self.worker
+        if isinstance(data, KvMigrationOrdered):
+            if orders_me(data, cell_id=w.cell_id):
                 # Spawned: a move waits for the session's in-flight call, which must not hold up the consumer.
-                self.spawn(self.worker.move_execution(event.data.execution_id, event.data.to_cell), name="move")
-        elif isinstance(event.data, WeightsPublished):
-            await self._load(event)
-            return self._weights_loaded(cause=event)
-        elif isinstance(event.data, CellDraining) and self._drains_me(event):
+                self.spawn(w.move_execution(data.execution_id, data.to_cell), name="move")
+        elif isinstance(data, WeightsPublished):
+            async with self._lifecycle:
+                if w.state == "standby":
+                    # Not loaded into a sleeping engine: the wake loads the newest (one load, not one per step).
+                    self.log.info("weights_deferred", version=data.version, serving=w.policy_version)
+                    return None
+                if await self._load(data):
+                    self._loaded_by = event.event_id
+                elif self._loaded_by != event.event_id:
+                    return None  # not news (older, or loaded at start or on a wake, which said so)
+                # Loaded now, or by this very event before its record was lost (a redelivery): the log says so.
+                return self._weights_loaded(cause=event)
+        elif isinstance(data, CellDraining) and self._drains_me(event):
             # Spawned: a drain waits for in-flight calls and moves every session, far longer than a handler.
             self.spawn(self.drain(event), name="drain")
+        elif isinstance(data, CellReleased):
+            return await self.wake(event)
+        elif isinstance(data, CellAssigned) and data.cell_id == w.cell_id:
+            self._cell_role = data.role  # where a later release sends the cell
         return None
 
-    async def drain(self, order: Event) -> CellDrained:
-        """Carry out a drain order (`cell.draining`) and report its end as `cell.drained`, caused by the order
-        and appended after every `kv.migrated` of the drain (each is appended as its session moves)."""
+    def _drains_me(self, event: Event) -> bool:
+        assert isinstance(event.data, CellDraining) and self.worker is not None
+        return drains_me(event.data, issued_at=event.occurred_at, cell_id=self.worker.cell_id,
+                         started_at=self.process_started_at)
+
+    async def wake(self, release: Event, *, missed: bool = False) -> Effects | None:
+        """Wake on the release of this worker's cell from another role to rollout: the engine resumes, loads the
+        newest published weights, and the worker serves; `weights.loaded` (caused by the release, phases `wake_s`,
+        `load_s`) is how the cell agent learns the cell is ready. `missed`: a release from before this process
+        could hear it, which the cell's log says is still waiting for a rollout worker."""
+        assert isinstance(release.data, CellReleased)
         w = self.worker
-        reply = await w.drain(DrainRequest())
+        async with self._lifecycle:
+            if self._woken_by is not None and self._woken_by[0] == release.event_id and w.state == "active":
+                # Woken by this release already, its record lost (the runtime redelivers): say it again.
+                return self._weights_loaded(cause=release, phases=self._woken_by[1])
+            if not (missed and w.state == "standby") and not wakes_me(
+                    release.data, issued_at=release.occurred_at, cell_id=w.cell_id, asleep_since=self._asleep_since,
+                    state=w.state, assigned=self._cell_role):
+                return None
+            phases = await w.wake(self._load_newest)
+            if not missed:  # a missed release's wake is recorded by the start, not as this handler's effects
+                self._woken_by = (release.event_id, phases)
+        return self._weights_loaded(cause=release, phases=phases)
+
+    async def drain(self, order: Event) -> CellDrained:
+        """Carry out a drain order (`cell.draining`), put the engine to sleep (standby) and report both as
+        `cell.drained` (phases `drain_s`, `sleep_s`), caused by the order and appended after every `kv.migrated`
+        of the drain (each is appended as its session moves). Sessions that could not move are dropped with the
+        sleep: their next call is refused and the router sends it, whole, to another worker."""
+        w = self.worker
+        async with self._lifecycle:
+            reply = await w.drain(DrainRequest())
+            slept = await w.sleep()
+            self._asleep_since = max(self._asleep_since, order.occurred_at)
+        stayed = len(reply.parked) + len(reply.failed)
+        detail = reply.detail + (f"; {stayed} dropped when the engine slept" if stayed else "")
         drained = CellDrained(
             cell_id=w.cell_id,
             worker_id=w.worker_id,
             migrated_sessions=len(reply.migrated),
-            parked_sessions=len(reply.parked) + len(reply.failed),
-            seconds=max(0.0, reply.seconds),
-            detail=reply.detail[:DRAIN_DETAIL_CHARS],
+            parked_sessions=stayed,
+            seconds=max(0.0, reply.seconds) + slept.seconds,
+            detail=detail[:DRAIN_DETAIL_CHARS],
+            phases={"drain_s": max(0.0, reply.seconds), "sleep_s": slept.seconds},
         )
         self.log.info("cell_drained", migrated=drained.migrated_sessions, parked=len(reply.parked),
-                      failed=len(reply.failed), seconds=round(drained.seconds, 3))
+                      failed=len(reply.failed), **{k: round(v, 3) for k, v in drained.phases.items()})
         await self.emit([self.event(drained, stream_id=stream_id_for("cell", w.cell_id), cause=order)])
         return drained
 

@@ -1,10 +1,11 @@
 """The rollout worker: one per rollout cell, wrapping an engine; keeps each live session's token history,
-serves token-delta generation, reloads weights in place, and drains by migrating sessions to other workers.
+serves token-delta generation, reloads weights in place, drains by migrating sessions to other workers, and
+sleeps in standby while its cell serves another role.
 
 `RolloutWorker` holds the logic over the `Engine` (engine_port.py) and `WorkerPeers` ports; `transport.py` is its
-NATS shell. One cohesive thing past ~450 lines: generation, weight swaps, adoption, drains and ordered moves all
-act on the same sessions under the same per-session locks and the same engine gate; the rules they apply are
-pure modules (`routing.py` for targets, `kv_handoff.py` for what KV moves).
+NATS shell. One cohesive thing past ~450 lines: generation, weight swaps, adoption, drains, ordered moves, sleep
+and wake all act on the same sessions under the same per-session locks and the same engine gate; the rules they
+apply are pure modules (`routing.py` for targets, `kv_handoff.py` for what KV moves).
 """
 
 from __future__ import annotations
@@ -62,6 +63,20 @@ class NoActivePeer(Exception):
     """No other active worker is there to take a session: it stays here (parked), which is no failure of a move."""
 
 
+class WorkerStandingBy(Exception):
+    """The worker went to standby while a request waited for the engine: its engine sleeps, the request is refused."""
+
+
+class NotStandingBy(Exception):
+    """`wake` on a worker that is not in standby."""
+
+
+@dataclass(frozen=True)
+class SleepReport:
+    seconds: float
+    dropped: list[str]  # sessions ("execution/chain") still here when the engine went to sleep, now gone
+
+
 @dataclass
 class Session:
     execution_id: str
@@ -98,8 +113,9 @@ class RolloutWorker:
         self._emit = emit
         self.peers = peers
         self._on_change = on_change or (lambda: None)
-        self._open = asyncio.Event()  # closed while weights are swapped
+        self._open = asyncio.Event()  # closed while weights are swapped or the engine sleeps or wakes
         self._open.set()
+        self._serves_published = False  # whether it has loaded a publication (else it serves the model's own)
         self._idle = asyncio.Condition()
         self.log = get_logger(worker_id=worker_id, cell_id=cell_id)
 
@@ -134,13 +150,15 @@ class RolloutWorker:
             if moved_to is not None:
                 return GenerateReply(status="moved", moved_to=moved_to, detail="session migrated", **ids)
             if self.state != "active":
-                return GenerateReply(status="draining", detail=f"worker {self.worker_id} is {self.state}", **ids)
+                return self._not_serving(ids)
             if request.base_len > 0:
                 return GenerateReply(status="resync", detail="no such session on this worker", **ids)
             session = Session(request.execution_id, request.chain_id)
             self.sessions[key] = session
             self._on_change()
         async with session.lock:
+            if self.state == "standby":  # asleep while this request waited behind an in-flight one
+                return self._not_serving(ids)
             if self.sessions.get(key) is not session:
                 # Migrated or ended while this request waited behind an in-flight one.
                 if self.moved.get(request.execution_id) is not None:
@@ -162,7 +180,10 @@ class RolloutWorker:
                     f"the context of {self.engine.max_model_len}",
                     **ids,
                 )
-            out, version = await self._engine_call(prompt, request.sampling, request.request_id)
+            try:
+                out, version = await self._engine_call(prompt, request.sampling, request.request_id)
+            except WorkerStandingBy:
+                return self._not_serving(ids)
             session.history = np.concatenate([prompt, np.asarray(out.token_ids, dtype=np.int32)], dtype=np.int32)
         return GenerateReply(
             status="ok",
@@ -176,13 +197,22 @@ class RolloutWorker:
             **ids,
         )
 
+    def _not_serving(self, ids: dict[str, Any]) -> GenerateReply:
+        """The refusal of a worker that takes no session (draining, drained, standby): the router places the
+        execution elsewhere and resends its whole prompt there."""
+        reason = " (asleep while its cell serves another role)" if self.state == "standby" else ""
+        return GenerateReply(status="draining", detail=f"worker {self.worker_id} is {self.state}{reason}", **ids)
+
     async def _engine_call(
         self, prompt: np.ndarray, sampling: SamplingSpec, request_id: str, *, policy_version: int | None = None
     ) -> tuple[EngineOutput, int]:
         """One engine request kept apart from a weight swap (a call, or a migration's prefill): it waits while
         weights are swapped and a swap waits for it. Returns the output and the policy version that made it;
-        with `policy_version`, raises PolicyChanged rather than run under another one."""
+        with `policy_version`, raises PolicyChanged rather than run under another one. Raises WorkerStandingBy when
+        the worker went to standby meanwhile: its engine sleeps and would hold the request until a wake."""
         await self._open.wait()
+        if self.state == "standby":
+            raise WorkerStandingBy(f"worker {self.worker_id} is in standby")
         if policy_version is not None and policy_version != self.policy_version:
             raise PolicyChanged(f"expected policy {policy_version}, this worker serves {self.policy_version}")
         self.in_flight += 1
@@ -217,14 +247,16 @@ class RolloutWorker:
     # ---- weights ----
 
     def wants(self, version: int) -> bool:
-        """Whether a publication of `version` is news: newer than what it serves (or the initial weights)."""
-        return version > self.policy_version or version == 0
+        """Whether a publication of `version` is news: newer than what it serves, or the initial weights (version
+        0) while it still serves the model's own. A late or replayed publication never takes it back."""
+        return version > self.policy_version or (version == 0 and not self._serves_published)
 
-    async def apply_weights(self, version: int, state_dict: Mapping[str, Any]) -> None:
-        """Swap weights between calls: new calls wait, in-flight calls finish on the old policy first."""
+    async def apply_weights(self, version: int, state_dict: Mapping[str, Any]) -> bool:
+        """Swap weights between calls: new calls wait, in-flight calls finish on the old policy first. Returns
+        whether it loaded them (False: not newer than what it serves)."""
         if not self.wants(version):
             self.log.info("weights_skipped", version=version, current=self.policy_version)
-            return
+            return False
         self._open.clear()
         try:
             async with self._idle:
@@ -232,10 +264,54 @@ class RolloutWorker:
             started = time.perf_counter()
             await self.engine.load_weights(state_dict)
             self.policy_version = version
+            self._serves_published = True
             self.log.info("weights_loaded", version=version, seconds=round(time.perf_counter() - started, 4))
         finally:
             self._open.set()
             self._on_change()
+        return True
+
+    # ---- standby ----
+
+    async def sleep(self) -> SleepReport:
+        """Go to standby: refuse new work, let the engine calls in flight finish, drop every session still here
+        (a drain's parked ones: their next call is refused and the router resends it whole elsewhere) and put
+        the engine to sleep. `moved` and `ended` stay: a late call of a moved execution is still sent on."""
+        started = time.perf_counter()
+        self.state = "standby"
+        self._on_change()
+        self._open.clear()
+        try:
+            async with self._idle:
+                await self._idle.wait_for(lambda: self.in_flight == 0)
+            dropped = [f"{e}/{c}" for e, c in sorted(self.sessions)]
+            self.sessions.clear()
+            await self.engine.sleep()
+        finally:
+            # Requests that waited at the gate now see the standby and are refused instead of waiting for a wake.
+            self._open.set()
+        seconds = time.perf_counter() - started
+        self.log.info("worker_standing_by", seconds=round(seconds, 4), dropped_sessions=len(dropped))
+        self._on_change()
+        return SleepReport(seconds=seconds, dropped=dropped)
+
+    async def wake(self, load_newest: Callable[[], Awaitable[object]]) -> dict[str, float]:
+        """Leave standby: wake the engine, run `load_newest` (loads the newest published weights through
+        `apply_weights`; the worker still refuses work meanwhile), then serve. Returns the phases (`wake_s`,
+        `load_s`). A failure leaves it in standby, to be woken again (a woken engine is not woken twice)."""
+        if self.state != "standby":
+            raise NotStandingBy(f"worker {self.worker_id} is {self.state}, not in standby")
+        started = time.perf_counter()
+        await self.engine.wake()
+        woken = time.perf_counter()
+        await load_newest()
+        loaded = time.perf_counter()
+        self.sessions.clear()  # none can have come in standby; a woken worker starts with none all the same
+        self.state = "active"
+        self._on_change()
+        phases = {"wake_s": woken - started, "load_s": loaded - woken}
+        self.log.info("worker_woken", version=self.policy_version, **{k: round(v, 4) for k, v in phases.items()})
+        return phases
 
     # ---- migration ----
 
@@ -244,7 +320,8 @@ class RolloutWorker:
         if request.execution_id in self.ended:
             return AdoptReply(ok=False, ended=True, detail=f"execution {request.execution_id} has ended")
         if self.state != "active":
-            return AdoptReply(ok=False, detail=f"worker {self.worker_id} is {self.state}")
+            reason = " (asleep while its cell serves another role)" if self.state == "standby" else ""
+            return AdoptReply(ok=False, detail=f"worker {self.worker_id} is {self.state}{reason}")
         started = time.perf_counter()
         key = (request.execution_id, request.chain_id)
         session = self.sessions.get(key) or Session(request.execution_id, request.chain_id)
@@ -270,6 +347,9 @@ class RolloutWorker:
                 except PolicyChanged as exc:  # KV of another policy must not enter this engine's cache
                     self.sessions.pop(key, None)  # the source recomputes it here or elsewhere
                     return AdoptReply(ok=False, detail=f"saved KV is stale: {exc}")
+                except WorkerStandingBy as exc:  # went to sleep while this waited: the source tries another
+                    self.sessions.pop(key, None)
+                    return AdoptReply(ok=False, detail=str(exc))
                 except BaseException:
                     # The source keeps the session (its adopt failed): no copy stays here that no move points to.
                     if self.sessions.get(key) is session:
@@ -283,29 +363,35 @@ class RolloutWorker:
         """Stop taking new sessions and move every live session to other workers (KV, else recompute).
 
         A session no active worker can take stays here, parked (`DrainReply.parked`); one whose move failed
-        stays too (`failed`). Either leaves the worker draining rather than drained."""
+        stays too (`failed`). Either leaves the worker draining rather than drained. A worker in standby holds
+        nothing and stays as it is."""
         started = time.perf_counter()
+        if self.state == "standby":
+            return DrainReply(ok=True, detail="in standby: nothing to drain", seconds=time.perf_counter() - started)
         self.state = "draining"
         self._on_change()
         results: list[MigrationResult] = []
         parked: list[str] = []
         failed: list[str] = []
-        for key in sorted(self.sessions):
-            session = self.sessions.get(key)
-            if session is None:
-                continue
+
+        async def move(key: tuple[str, str], session: Session) -> None:
             try:
                 result = await self._migrate(session, request)
             except NoActivePeer as exc:
                 self.log.warning("session_parked", execution_id=key[0], chain_id=key[1], reason=str(exc))
                 parked.append(f"{key[0]}/{key[1]}: {exc}")
-                continue
+                return
             except Exception as exc:  # keep draining the others; report what failed
                 self.log.exception("migration_failed", execution_id=key[0], chain_id=key[1])
                 failed.append(f"{key[0]}/{key[1]}: {type(exc).__name__}: {exc}")
-                continue
+                return
             if result is not None:
                 results.append(result)
+
+        # Every session at once: each waits for its own in-flight call (its lock), and the targets' engines
+        # batch the prefills of the sessions they adopt, so the drain takes about its slowest move, not the sum.
+        await asyncio.gather(*(move(key, session) for key, session in sorted(self.sessions.items())))
+        results.sort(key=lambda r: (r.execution_id, r.chain_id))
         self.state = "drained" if not (parked or failed) else "draining"
         self._on_change()
         detail = "; ".join([*(["parked (no active worker takes them): " + ", ".join(parked)] if parked else []),
@@ -336,6 +422,8 @@ class RolloutWorker:
                                                      to_cell=to_cell, reason=reason)])
             return []
 
+        if self.state == "standby":
+            return await refuse(f"worker {self.worker_id} is in standby: it holds no session")
         if self.state != "active":
             return await refuse(f"worker {self.worker_id} is {self.state}: its drain moves the session")
         sessions = [s for k, s in sorted(self.sessions.items()) if k[0] == execution_id]

@@ -18,7 +18,7 @@ import numpy as np
 from services.rollout.codec import reply_message
 from services.rollout.conversation import Conversation
 from services.rollout.credentials import TokenVerifier
-from services.rollout.engine_port import EngineOutput
+from services.rollout.engine_port import EngineError, EngineOutput
 from services.rollout.gateway import create_app
 from services.rollout.gateway_core import GatewayCore
 from services.rollout.protocol import (
@@ -81,7 +81,8 @@ class CharCodec:
 
 
 class ScriptedEngine:
-    """Generates scripted replies (text → char ids ⊕ EOS); logprobs are a pure function of the prompt."""
+    """Generates scripted replies (text → char ids ⊕ EOS); logprobs are a pure function of the prompt. Asleep, it
+    refuses to generate (a real one would hold the request until woken): a worker must never send it one."""
 
     block_size = 16
     kv_transfer = False
@@ -100,8 +101,13 @@ class ScriptedEngine:
         self.samplings: list[SamplingSpec] = []
         self.weights_version = 0
         self.fail_next: BaseException | None = None
+        self.asleep = False
+        self.sleeps = 0
+        self.wakes = 0
 
     async def generate(self, prompt: list[int], sampling: SamplingSpec, request_id: str) -> EngineOutput:
+        if self.asleep:
+            raise EngineError(f"request {request_id} sent to a sleeping engine")
         if self.fail_next is not None:
             exc, self.fail_next = self.fail_next, None
             raise exc
@@ -139,6 +145,15 @@ class ScriptedEngine:
 
     async def reset_prefix_cache(self) -> None:
         self.prompts.clear()
+
+    async def sleep(self) -> None:
+        if not self.asleep:
+            self.asleep, self.sleeps = True, self.sleeps + 1
+            self.prompts.clear()  # like vLLM's: the prefix cache goes with the sleep
+
+    async def wake(self) -> None:
+        if self.asleep:
+            self.asleep, self.wakes = False, self.wakes + 1
 
     def kv_bytes(self, prompt: list[int]) -> int:
         return 0

@@ -33,6 +33,16 @@ def test_a_new_session_goes_to_its_preferred_cell_with_room_else_the_least_loade
     assert choose_worker(live, placed={"a": 4, "b": 4}) is None
 
 
+def test_a_worker_in_standby_takes_no_new_session_and_no_migrated_one() -> None:
+    from services.rollout.routing import migration_target
+
+    live = [status("s", state="standby", cell="cell-x"), status("a", live=3)]
+    assert choose_worker(live, placed={}, preferred_cell="cell-x").worker_id == "a"
+    assert choose_worker(live, placed={"a": 4}, preferred_cell="cell-x") is None
+    assert migration_target(live, preferred=("s",)).worker_id == "a"
+    assert migration_target(live, preferred=("s",), only_preferred=True) is None
+
+
 def test_only_what_the_worker_does_not_hold_is_sent_and_at_least_one_token() -> None:
     mirror = SessionMirror("w", np.arange(10, dtype=np.int32), np.arange(100, 105, dtype=np.int32))
     assert mirror.delta_base(np.concatenate([np.arange(10), np.arange(100, 105), [7]]).astype(np.int32)) == 15

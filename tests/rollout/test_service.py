@@ -205,7 +205,8 @@ def _generate(execution_id: str) -> GenerateRequest:
 
 async def test_a_drain_order_is_reported_as_cell_drained_after_every_kv_migrated(store) -> None:
     """The cell agent learns a drain's end from the log: `cell.drained`, caused by the order, after the
-    `kv.migrated` of each session it moved, with the counts."""
+    `kv.migrated` of each session it moved, with the counts; the worker then stands by with its engine asleep
+    (the drain and the sleep timed apart)."""
     service = RolloutWorkerService(Settings(run_id="run-d"), RolloutSettings(cell_id="cell-0"))
     service.store = store
     local = LocalWorkers()
@@ -226,10 +227,13 @@ async def test_a_drain_order_is_reported_as_cell_drained_after_every_kv_migrated
     drained = stored[-1]
     assert isinstance(drained.data, CellDrained) and drained.causation_id == order.event_id
     assert (drained.data.worker_id, drained.data.migrated_sessions, drained.data.parked_sessions) == ("w0", 2, 0)
-    assert source.state == "drained"
+    assert set(drained.data.phases) == {"drain_s", "sleep_s"}
+    assert source.state == "standby" and source.engine.asleep and not source.sessions
 
 
-async def test_a_drain_with_no_worker_to_take_its_sessions_reports_them_parked(store) -> None:
+async def test_a_drain_with_no_worker_to_take_its_sessions_reports_them_parked_and_drops_them_asleep(store) -> None:
+    """A session no active worker takes is reported parked; the engine then sleeps and the session goes with it
+    (its next call is refused, and the router sends it whole to a worker that serves)."""
     service = RolloutWorkerService(Settings(run_id="run-p"), RolloutSettings(cell_id="cell-0"))
     service.store = store
     local = LocalWorkers()
@@ -242,7 +246,10 @@ async def test_a_drain_with_no_worker_to_take_its_sessions_reports_them_parked(s
     drained = await service.drain(order)
     assert (drained.migrated_sessions, drained.parked_sessions) == (0, 1)
     assert "parked (no active worker" in drained.detail and "failed" not in drained.detail
-    assert alone.state == "draining" and list(alone.sessions) == [("e1", "main")]
+    assert "1 dropped when the engine slept" in drained.detail
+    assert alone.state == "standby" and not alone.sessions and alone.engine.asleep
+    late = await alone.generate(_generate("e1").model_copy(update={"base_len": 0}), np.arange(100, 150, dtype=np.int32))
+    assert late.status == "draining" and "standby" in late.detail
     assert [s.event.type for s in await store.read_stream("cell-0")] == ["cell.drained"]
 
 
@@ -265,7 +272,9 @@ async def test_the_worker_service_says_it_serves_its_weights_once_it_is_serving(
     await service.start()
     try:
         loaded = [s.event.data for s in await store.read_stream("cell-7")]
-        assert loaded == [WeightsLoaded(cell_id="cell-7", worker_id="cell-7", version=0)]
+        assert [(w.cell_id, w.worker_id, w.version) for w in loaded if isinstance(w, WeightsLoaded)] == [
+            ("cell-7", "cell-7", 0)] and len(loaded) == 1
+        assert set(loaded[0].phases) == {"engine_s", "load_s", "warm_up_s"}  # what its start took, part by part
         assert service.server is not None and service.server.subscriptions  # serving before it said so
     finally:
         service.stop_event.set()
@@ -274,3 +283,36 @@ async def test_the_worker_service_says_it_serves_its_weights_once_it_is_serving(
         await bus.delete_streams()  # the service created its streams under this test's prefix
         await bus.close()
         await drop_store(store)
+
+
+async def test_a_release_or_publication_handled_again_after_its_record_was_lost_is_reported_again(store) -> None:
+    """The runtime runs a handler again when recording its effects failed: the worker, already woken (or already
+    on those weights), reports the same `weights.loaded` again rather than nothing, and does not wake twice."""
+    import torch
+    from safetensors.torch import save
+
+    from shared.events import CellReleased, WeightsPublished
+
+    service = RolloutWorkerService(Settings(run_id="run-r"), RolloutSettings(cell_id="cell-5"))
+    service.store = store
+    service.blobs = Blobs(store.blobs)
+    engine = ScriptedEngine(CharCodec())
+    service.worker = RolloutWorker(engine, worker_id="w5", cell_id="cell-5")
+    await service.worker.sleep()
+    release = new_event(CellReleased(cell_id="cell-5", from_role="train", migrated_sessions=0, seconds=0.1),
+                        run_id="run-r", stream_id="cell-5", version=1,
+                        occurred_at=service.process_started_at + timedelta(seconds=1))
+    first, again = await service.handle(release), await service.handle(release)
+    assert first is not None and again is not None and engine.wakes == 1
+    assert [e.data for e in first.appends[0].events] == [e.data for e in again.appends[0].events]
+    assert set(first.appends[0].events[0].data.phases) == {"wake_s", "load_s"}
+
+    ref = await store.blobs.put(save({"version": torch.tensor([4])}), media_type="application/x-safetensors")
+    published = new_event(WeightsPublished(version=4, step=3, weights=ref), run_id="run-r", stream_id="step-3",
+                          version=1, occurred_at=datetime.now(UTC))
+    older = new_event(WeightsPublished(version=2, step=1, weights=ref), run_id="run-r", stream_id="step-1",
+                      version=1, occurred_at=datetime.now(UTC))
+    loaded, reloaded = await service.handle(published), await service.handle(published)
+    assert loaded is not None and reloaded is not None and engine.weights_version == 4
+    assert [e.data.version for e in reloaded.appends[0].events] == [4]
+    assert await service.handle(older) is None  # not news: no word, and no step back

@@ -536,3 +536,87 @@ async def test_an_ordered_move_that_cannot_be_made_leaves_the_session_where_it_i
     assert [(e.execution_id, e.from_cell, e.to_cell) for e in events][:2] == [("X", "c0", "c9"), ("nobody", "c0", "c1")]
     assert "no active worker serves c9" in events[0].reason and "holds no session" in events[1].reason
     assert "refused" in events[3].reason and "draining" in events[4].reason
+
+
+async def test_going_to_standby_lets_the_call_in_flight_finish_and_refuses_the_waiting_ones() -> None:
+    """Sleep waits for the engine call in flight; a call queued behind it on its session, or waiting at the engine
+    gate (closed here by a weight swap) for another session, is refused once the worker stands by, never sent to
+    the sleeping engine (which would hold it until a wake), and so is a new session. No session is left."""
+    engine = _GatedEngine(CODEC, "slow")
+    worker = RolloutWorker(engine, worker_id="w", cell_id="c")
+    prompt = np.arange(100, 140, dtype=np.int32)
+    first = await worker.generate(request("other", prompt[:0], prompt), prompt)
+    other_history = np.concatenate([prompt, first.completion]).astype(np.int32)
+    more = np.arange(200, 205, dtype=np.int32)
+    slow = asyncio.create_task(worker.generate(request("e", prompt[:0], prompt).model_copy(
+        update={"request_id": "slow"}), prompt))
+    await engine.entered.wait()
+    behind = asyncio.create_task(worker.generate(request("e", prompt[:0], prompt), prompt))
+    swap = asyncio.create_task(worker.apply_weights(1, {"version": 1}))  # closes the gate, waits for `slow`
+    await asyncio.sleep(0)
+    at_gate = asyncio.create_task(worker.generate(request("other", other_history, more), more))
+    await asyncio.sleep(0)
+    sleep = asyncio.create_task(worker.sleep())
+    await asyncio.sleep(0)
+    new = await worker.generate(request("new", prompt[:0], prompt), prompt)
+    assert new.status == "draining" and "standby" in new.detail
+    engine.gate.set()
+    assert (await slow).status == "ok"  # in flight before the sleep: finished on the awake engine
+    await swap
+    report = await sleep
+    assert engine.asleep and worker.state == "standby" and worker.sessions == {}
+    assert sorted(report.dropped) == ["e/main", "other/main"]
+    for task in (behind, at_gate):
+        reply = await task
+        assert reply.status == "draining" and "standby" in reply.detail
+    # (A call sent to the sleeping scripted engine would have raised instead of being refused.)
+    assert worker.status().state == "standby"
+
+
+async def test_waking_loads_before_serving_and_a_late_publication_never_takes_the_worker_back() -> None:
+    engine = ScriptedEngine(CODEC)
+    worker = RolloutWorker(engine, worker_id="w", cell_id="c")
+    assert worker.wants(0)  # the initial weights, while it serves the model's own
+    assert await worker.apply_weights(0, {"version": 0})
+    await worker.apply_weights(2, {"version": 2})
+    await worker.sleep()
+    seen: list[tuple[str, bool]] = []
+
+    async def load_newest() -> None:
+        seen.append((worker.state, engine.asleep))  # still refusing work, engine already awake
+        assert await worker.apply_weights(5, {"version": 5})
+
+    phases = await worker.wake(load_newest)
+    assert seen == [("standby", False)] and set(phases) == {"wake_s", "load_s"}
+    assert worker.state == "active" and worker.policy_version == 5 and engine.wakes == 1
+    # A publication redelivered late, or replayed to a new consumer, is no news: versions only go forward.
+    assert not worker.wants(0) and not worker.wants(3) and not await worker.apply_weights(0, {"version": 0})
+    assert worker.policy_version == 5 and engine.weights_version == 5
+    prompt = np.arange(100, 140, dtype=np.int32)
+    reply = await worker.generate(request("e", prompt[:0], prompt), prompt)
+    assert reply.status == "ok" and reply.policy_version == 5
+
+
+async def test_a_wake_that_fails_to_load_leaves_the_worker_in_standby_to_be_woken_again() -> None:
+    engine = ScriptedEngine(CODEC)
+    worker = RolloutWorker(engine, worker_id="w", cell_id="c")
+    await worker.sleep()
+
+    async def broken() -> None:
+        raise OSError("blob store unreachable")
+
+    with pytest.raises(OSError):
+        await worker.wake(broken)
+    assert worker.state == "standby"
+    prompt = np.arange(100, 140, dtype=np.int32)
+    assert (await worker.generate(request("e", prompt[:0], prompt), prompt)).status == "draining"
+
+    async def fine() -> None:
+        await worker.apply_weights(1, {"version": 1})
+
+    await worker.wake(fine)
+    assert worker.state == "active" and engine.wakes == 1 and worker.policy_version == 1
+    # A drain order that finds it in standby changes nothing there.
+    await worker.sleep()
+    drained = await worker.drain(DrainRequest())
+    assert drained.ok and drained.migrated == [] and worker.state == "standby"
