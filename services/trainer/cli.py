@@ -67,3 +67,11 @@ def run_step_cmd(
         raise typer.Exit(2) from exc
     if spec.rank == 0:
         typer.echo(json.dumps(result, sort_keys=True))
+
+
+@train_app.command("rank")
+def rank_cmd() -> None:
+    """A trainer rank on this cell (GYRE_TRAINER_CELL_ID): stands by warm and serves the coordinator's group."""
+    from services.trainer.rank import main
+
+    main()

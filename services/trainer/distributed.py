@@ -79,27 +79,43 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def init_group(spec: GroupSpec) -> DeviceMesh:
-    """Join (or re-join after `leave_group`) the trainer's process group; returns a 1-D mesh over it."""
+def init_group(spec: GroupSpec, store: dist.Store | None = None) -> DeviceMesh:
+    """Join (or re-join after `leave_group`) the trainer's process group; returns a 1-D mesh over it.
+
+    The rendezvous is `spec`'s MASTER_ADDR/PORT (torchrun's way), or `store` when given: the coordinator's
+    TCPStore under a prefix of the group's generation, so each re-formed group meets in keys of its own.
+    `spec.timeout_s` also bounds every collective: a rank whose peer died returns with an error after it."""
     if dist.is_initialized():
         raise DistributedError("a process group is already initialised in this process; call leave_group first")
     device = default_device()
     backend = spec.backend or ("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    rendezvous: dict[str, Any] = (
+        {"store": store} if store is not None else {"init_method": f"tcp://{spec.master_addr}:{spec.master_port}"}
+    )
     dist.init_process_group(
         backend=backend,
-        init_method=f"tcp://{spec.master_addr}:{spec.master_port}",
         rank=spec.rank,
         world_size=spec.world_size,
         timeout=timedelta(seconds=spec.timeout_s),
+        **rendezvous,
     )
     return init_device_mesh(device.type, (spec.world_size,), mesh_dim_names=("fsdp",))
 
 
-def leave_group() -> None:
+def group_store(host: str, port: int, generation: int, timeout_s: float) -> dist.Store:
+    """A member's view of the coordinator's TCPStore, prefixed by the group's generation."""
+    base = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    return dist.PrefixStore(f"gen-{generation}", base)
+
+
+def leave_group(*, barrier: bool = True) -> None:
+    """Leave the process group. Without `barrier` when a peer may be gone (a re-form after a failure, or a
+    rank let go alone): a barrier would wait for it until the timeout."""
     if dist.is_initialized():
-        dist.barrier()
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()
 
 

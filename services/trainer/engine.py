@@ -6,6 +6,7 @@ tokens) and runs the same number of forward/backward passes so FSDP's collective
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -96,6 +97,16 @@ def _dummy_batch(device: torch.device) -> PackedTensors:
     )
 
 
+def load_model(model_dir: Path) -> torch.nn.Module:
+    """The base model, unsharded, fp32, on CPU (what a rank builds its sharded model from)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # services log JSON; a progress bar on stderr is noise
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    return model
+
+
 def _to_float(t: Any) -> float:
     full = getattr(t, "full_tensor", None)
     return float(full() if full is not None else t)
@@ -132,11 +143,20 @@ class Trainer:
 
     @classmethod
     def start(
-        cls, model_dir: Path, spec: GroupSpec, config: TrainerConfig, checkpoint_root: Path | None = None
+        cls,
+        model_dir: Path,
+        spec: GroupSpec,
+        config: TrainerConfig,
+        checkpoint_root: Path | None = None,
+        *,
+        store: dist.Store | None = None,
+        template: torch.nn.Module | None = None,
     ) -> tuple[Trainer, ReformTiming]:
-        """Join the process group, build the sharded model, and resume from the latest checkpoint if any."""
-        mesh, group_s = timed(init_group, spec)
-        trainer, build_s = timed(cls.build, model_dir, mesh, config)
+        """Join the process group (through `store` when given, else `spec`'s address), build the sharded model
+        (from a copy of `template`, the unsharded model a standing-by rank keeps, else from `model_dir`), and
+        resume from the latest checkpoint if any."""
+        mesh, group_s = timed(init_group, spec, store)
+        trainer, build_s = timed(cls.build, model_dir, mesh, config, template)
         load_s = 0.0
         if checkpoint_root is not None:
             latest = latest_checkpoint(checkpoint_root)
@@ -145,13 +165,12 @@ class Trainer:
         return trainer, ReformTiming(group_s=group_s, build_s=build_s, load_s=load_s)
 
     @classmethod
-    def build(cls, model_dir: Path, mesh: DeviceMesh, config: TrainerConfig) -> Trainer:
-        from transformers import AutoModelForCausalLM
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # services log JSON; a progress bar on stderr is noise
+    def build(
+        cls, model_dir: Path, mesh: DeviceMesh, config: TrainerConfig, template: torch.nn.Module | None = None
+    ) -> Trainer:
         torch.manual_seed(config.seed)
-        model: Any = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        # `fully_shard` turns the module's parameters into shards in place, so each group gets its own copy.
+        model: Any = copy.deepcopy(template) if template is not None else load_model(model_dir)
         model.to(torch.device(mesh.device_type))
         model.train()
         compute_dtype = apply_fsdp(model, mesh, config.precision)
@@ -165,8 +184,8 @@ class Trainer:
     def world_size(self) -> int:
         return dist.get_world_size()
 
-    def close(self) -> None:
-        leave_group()
+    def close(self, *, barrier: bool = True) -> None:
+        leave_group(barrier=barrier)
 
     # ---------------------------------------------------------------------------------------- training
 

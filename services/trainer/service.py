@@ -1,34 +1,49 @@
-"""The trainer service shell: batch.ready in, one GSPO step per batch, checkpoint, weights to the Object
-Store, step.completed and weights.published out. Resumes from its latest checkpoint after a crash.
+"""The trainer coordinator: batch.ready in, one GSPO step per batch driven on the ranks of the training cells,
+step.completed, trainer.rank_stepped and weights.published out. It holds no model: the ranks (rank.py) do.
 
-Exactly once per step: the handler trains with no transaction open and returns its events as `Effects`, which the
-runtime records with the tracking row afterwards. The checkpoint, written before that record, holds the last
-trained step and its metrics, so a batch delivered again (a failed record, a lost ack, a crash in between) is
-recognised and only its events are re-emitted, never trained twice; a step whose checkpoint fails is rolled back.
-A batch for a later step than the next one waits (is retried) until the gap is filled.
+Members follow the cells (membership.py, a fold of their events); the group re-forms only at step boundaries (the
+group lock is held for a step, a form or a leave): at once when no step runs, else right after the running one.
+Exactly once per step: the ranks checkpoint a step before the coordinator returns its events as `Effects` (recorded
+with the batch's tracking row afterwards), and every form reports the trainer state the members resumed, so a batch
+delivered again finds its step trained and is only re-emitted. A step a member fails (a rank dies, a collective
+errors) is abandoned and redone on a group re-formed from the latest checkpoint: never lost, never applied twice.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import re
 import time
 from pathlib import Path
-from typing import Any, Literal
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
-from pydantic_settings import BaseSettings, SettingsConfigDict
-
-from services.trainer.distributed import GroupSpec, free_port
-from services.trainer.engine import Trainer, TrainerConfig
-from services.trainer.loss import GspoConfig
-from services.trainer.weights import WEIGHTS_MEDIA_TYPE
-from shared.batch import TrainingBatch
+from services.trainer.group import Group, GroupBroken, RankClient
+from services.trainer.cell_facts import CellFacts
+from services.trainer.membership import CELL_FACTS, Decision, DrainOrder, decide
+from services.trainer.options import TrainerOptions
+from services.trainer.protocol import FormRequest, StepReply, StepRequest, TrainerSpec, TrainerState
 from shared.bus import ConsumerOptions
 from shared.effects import Effects
-from shared.events import BatchReady, BlobRef, Event, StepCompleted, WeightsPublished, stream_id_for
+from shared.events import (
+    BatchReady,
+    BlobRef,
+    CellDrained,
+    Event,
+    GroupFormed,
+    RankStepped,
+    StepCompleted,
+    WeightsPublished,
+    stream_id_for,
+)
 from shared.runtime import Service
 from shared.settings import Settings
 from shared.store import ConcurrencyConflict
+
+
+T = TypeVar("T")
+LEAVE_TIMEOUT_S = 30.0  # a leave destroys a process group without a barrier: quick, or the rank is stuck
 
 
 class TrainerServiceError(Exception):
@@ -39,22 +54,8 @@ class StepOutOfOrder(TrainerServiceError):
     """A batch arrived before the one for the step before it; raised so the bus redelivers it later."""
 
 
-class TrainerOptions(BaseSettings):
-    """Trainer-only settings (env prefix GYRE_TRAINER_); the loss settings come from shared Settings."""
-
-    model_config = SettingsConfigDict(env_prefix="GYRE_TRAINER_", extra="ignore", frozen=True)
-
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
-    publish_every: int = 1  # publish weights after every N-th step (and always after the first)
-    first_step: int = 0  # the step number of the first batch of a run
-    keep_checkpoints: int = 2
-    # How long a batch a crashed trainer held waits for redelivery (default: the shared GYRE_ACK_WAIT_S). A
-    # step may take many minutes; the consumer's progress acks keep its batch from redelivery meanwhile.
-    ack_wait_s: float | None = None
-    checkpoint_dir: Path | None = None  # default: <state_dir>/trainer/<run_id>/checkpoints
+class NoTrainingCells(TrainerServiceError):
+    """No cell trains: the batch is handed back and retried (a cell may be switched to training later)."""
 
 
 def step_stream_id(run_id: str, step: int) -> str:
@@ -65,17 +66,29 @@ def weights_stream_id(run_id: str, version: int) -> str:
     return stream_id_for("weights", f"{run_id}-{version}")
 
 
+def trainer_stream_id(run_id: str) -> str:
+    return stream_id_for("trainer", run_id)
+
+
 class TrainerService(Service):
     name = "trainer"
 
     def __init__(self, settings: Settings | None = None, options: TrainerOptions | None = None) -> None:
         super().__init__(settings)
         self.options = options or TrainerOptions()
-        self.trainer: Trainer | None = None
-        self.last_step: int = self.options.first_step - 1
-        self.last_metrics: dict[str, float] = {}
-        self.last_seconds: float = 0.0
-        self.reform_s: float = 0.0
+        self.client: RankClient | None = None
+        self.cells: CellFacts | None = None
+        self.failed: set[str] = set()  # rank ids found gone; a new process on the cell has another id
+        self.group: Group | None = None
+        self.intact = True  # False after a member left or a step failed: re-form before the next step
+        self.generation = 0
+        self.state: TrainerState | None = None  # what the members hold (learnt at each form, moved by each step)
+        self.lock = asyncio.Lock()  # held for a step, a form, a leave: what makes a step boundary
+        self.changed = asyncio.Event()  # the cells changed: converge at the next boundary
+        self.formed = asyncio.Event()  # set while a group is formed
+        self._initial_published = False
+        self._recovered = False  # the checkpointed step's events recorded after a restart
+        self._tcp_store: Any = None
 
     @property
     def checkpoint_root(self) -> Path:
@@ -83,197 +96,342 @@ class TrainerService(Service):
             return self.options.checkpoint_dir
         return Path(self.settings.state_dir) / "trainer" / self.settings.run_id / "checkpoints"
 
-    def trainer_config(self) -> TrainerConfig:
-        s = self.settings
-        return TrainerConfig(
-            lr=self.options.lr,
-            weight_decay=self.options.weight_decay,
-            grad_clip=self.options.grad_clip,
-            precision=self.options.precision,
-            loss=GspoConfig(eps_low=s.eps_low, eps_high=s.eps_high, is_cap=s.is_cap),
-            recompute_old_logprobs=s.recompute_old_logprobs,
-        )
+    def trainer_spec(self) -> TrainerSpec:
+        s, o = self.settings, self.options
+        return TrainerSpec(lr=o.lr, weight_decay=o.weight_decay, grad_clip=o.grad_clip, precision=o.precision,
+                           eps_low=s.eps_low, eps_high=s.eps_high, is_cap=s.is_cap,
+                           recompute_old_logprobs=s.recompute_old_logprobs)
 
     async def setup(self) -> None:
-        if self.settings.model_dir is None:
-            raise TrainerServiceError("GYRE_MODEL_DIR must name the model directory the trainer starts from")
-        spec = GroupSpec.from_env()
-        if spec.world_size == 1:
-            # Alone: a private rendezvous port, so several single-rank trainers on one node never collide.
-            spec = GroupSpec(rank=0, world_size=1, master_port=free_port())
-        if spec.rank != 0:
-            raise TrainerServiceError(
-                f"the service process is rank 0 of the trainer group; got RANK={spec.rank} (run other ranks "
-                "with `gyre train run-step`)"
-            )
-        trainer, timing = await asyncio.to_thread(
-            Trainer.start, Path(self.settings.model_dir), spec, self.trainer_config(), self.checkpoint_root
-        )
-        self.trainer = trainer
-        self.reform_s = timing.total_s
-        state = self._checkpoint_state()
-        if state:
-            self._remember(state)
-        else:
-            # A checkpoint of the starting weights, so that a step that fails after changing the weights in
-            # memory can always be rolled back to the last saved state (`_roll_back`).
-            await asyncio.to_thread(trainer.save, self.checkpoint_root, self.options.keep_checkpoints,
-                                    {"last_step": self.last_step})
-        self.log.info(
-            "trainer_ready",
-            world_size=spec.world_size,
-            policy_version=trainer.policy_version,
-            last_step=self.last_step,
-            reform_s=round(timing.total_s, 3),
-            group_s=round(timing.group_s, 3),
-            build_s=round(timing.build_s, 3),
-            load_s=round(timing.load_s, 3),
-        )
-        if trainer.policy_version == 0:
-            await self._publish_initial()
-        if self.last_step >= self.options.first_step:
-            # Checkpointed but perhaps not committed before a crash: emit it now, before any later batch
-            # (a later one can arrive first, while the crashed consumer's message waits out its ack_wait).
-            await self.record(await self._step_effects(None, self.last_step, self.last_metrics, self.last_seconds))
+        assert self.store is not None and self.bus is not None
+        self.client = RankClient(self.bus, self.options.probe_every_s)
+        self._tcp_store = await asyncio.to_thread(_tcp_store, self.options.store_port)
+        run_id = self.settings.run_id
+        formed = await self.store.read_all(types=["trainer.group_formed"], run_id=run_id)
+        # Generations only grow, across restarts too: a rank still formed by an earlier incarnation is never
+        # mistaken for a member of a new group.
+        self.generation = max((s.event.data.generation for s in formed if isinstance(s.event.data, GroupFormed)),
+                              default=0)
+        self.cells = CellFacts(self.store, run_id)
+        await self.cells.load()
         options = ConsumerOptions(
             ack_wait_s=self.options.ack_wait_s or self.settings.ack_wait_s,
-            max_deliver=max(self.settings.max_deliver, 1000),  # out-of-order waits are retries, not failures
+            # Out-of-order waits and waits for a training cell are retries, not failures.
+            max_deliver=max(self.settings.max_deliver, 1000),
             backoff_s=tuple(self.settings.backoff_s),
         )
         self.on(["batch.ready"], self.handle, options=options)
-
-    def _remember(self, state: dict[str, Any]) -> None:
-        """Take the last trained step and its result from a checkpoint's trainer state."""
-        self.last_step = int(state.get("last_step", self.options.first_step - 1))
-        self.last_metrics = dict(state.get("metrics", {}))
-        self.last_seconds = float(state.get("seconds", 0.0))
-
-    def _roll_back(self) -> None:
-        """Put the trainer (weights, optimiser, counters) and the step bookkeeping back to the latest checkpoint."""
-        from services.trainer.distributed import latest_checkpoint
-
-        assert self.trainer is not None
-        latest = latest_checkpoint(self.checkpoint_root)
-        if latest is None:
-            raise TrainerServiceError(f"no checkpoint under {self.checkpoint_root} to roll a failed step back to")
-        self._remember(self.trainer.resume(latest))
-
-    def _checkpoint_state(self) -> dict[str, Any]:
-        from services.trainer.distributed import latest_checkpoint, read_trainer_state
-
-        latest = latest_checkpoint(self.checkpoint_root)
-        return read_trainer_state(latest) if latest is not None else {}
+        # One consumer per run: every coordinator must see every fact of its run's cells.
+        self.on(list(CELL_FACTS), self.on_cell_fact, durable=re.sub(r"[^A-Za-z0-9_-]", "-", f"trainer-cells-{run_id}"))
+        self.spawn(self._converge_on_change(), name="group")
+        self.changed.set()
+        self.log.info("coordinator_ready", store_port=self._tcp_store.port, generation=self.generation,
+                      cells=sorted(self.cells.views))
 
     async def teardown(self) -> None:
-        if self.trainer is not None:
-            await asyncio.to_thread(self.trainer.close)
-            self.trainer = None
+        self._tcp_store = None
 
     def health(self) -> dict[str, Any]:
-        t = self.trainer
+        g, st = self.group, self.state
         return {
-            "last_step": self.last_step,
-            "policy_version": t.policy_version if t else None,
-            "world_size": t.world_size if t else None,
-            "reform_s": round(self.reform_s, 3),
+            "generation": g.generation if g else None,
+            "members": [m.cell_id for m in g.members] if g else [],
+            "world_size": g.world_size if g else 0,
+            "last_step": st.last_step if st else None,
+            "policy_version": st.policy_version if st else None,
         }
+
+    # ------------------------------------------------------------------------------------ membership
+
+    async def on_cell_fact(self, event: Event) -> None:
+        """A fact of a cell: fold its stream again at the next boundary (the store holds it in order)."""
+        cell_id = getattr(event.data, "cell_id", None)
+        if isinstance(cell_id, str) and self.cells is not None:
+            self.cells.touch(cell_id)
+            self.changed.set()
+
+    async def _converge_on_change(self) -> None:
+        """Re-form whenever the cells change and no step runs (eagerly: a cell switched to training joins without
+        waiting for a batch, and a leaving one is let go at once)."""
+        while not self.stop_event.is_set():
+            await self.changed.wait()
+            self.changed.clear()
+            try:
+                async with self.lock:
+                    await self.converge()
+            except Exception as exc:  # a form failed: try again on the next change, or after a pause
+                self.log.warning("converge_failed", error=f"{type(exc).__name__}: {exc}")
+                await asyncio.sleep(min(self.settings.backoff_s or [1.0]))
+                self.changed.set()
+
+    async def converge(self) -> None:
+        """(Lock held.) Answer the drains of training cells (their ranks leave first), then re-form the group from
+        the current cells if its members changed or it is not intact."""
+        assert self.cells is not None
+        await self.cells.refresh()
+        decision = self._decide()
+        for order in decision.drains:
+            await self._answer_drain(order)
+        if decision.drains:
+            decision = self._decide()
+        if decision.reform:
+            await self._form(decision)
+
+    async def _on_group(self, work: Awaitable[T]) -> T:
+        """(Lock held.) Group-wide work; when a member fails it, the group is no longer intact (its members' weights
+        may have moved without a checkpoint) and the members found gone are left out of the next one."""
+        try:
+            return await work
+        except GroupBroken as exc:
+            self.failed.update(m.rank_id for m in exc.gone)
+            self.intact = False
+            raise
+
+    def _decide(self) -> Decision:
+        current = self.group.members if self.group is not None else ()
+        assert self.cells is not None
+        return decide(list(self.cells.views.values()), self.failed, current, self.intact)
+
+    async def _answer_drain(self, order: DrainOrder) -> None:
+        """Let the draining cell's rank go (no barrier, at this boundary) and say so with `cell.drained`, caused by the
+        `cell.draining` it answers."""
+        assert self.client is not None and self.cells is not None
+        waited = self.cells.waited(order.draining_id)
+        leave_s = 0.0
+        if order.member is not None and self.group is not None:
+            # The group keeps naming it until it re-forms (which then says who left); it is no longer whole.
+            left = await self.client.leave([order.member], self.group.generation, LEAVE_TIMEOUT_S)
+            leave_s = left[order.member]
+            self.intact = False
+        cause = await self.cells.draining_event(order.cell_id, order.draining_id)
+        rank_id = order.member.rank_id if order.member else self.cells.views[order.cell_id].rank_id
+        drained = CellDrained(cell_id=order.cell_id, worker_id=rank_id or "",
+                              migrated_sessions=0, parked_sessions=0, seconds=waited + leave_s,
+                              phases={"wait_step_s": waited, "leave_s": leave_s})
+        event = self.event(drained, stream_id=stream_id_for("cell", order.cell_id), cause=cause)
+        await self.emit([event], expected_version="any")
+        self.cells.answered(order.cell_id, event)  # not answered again
+        self.log.info("rank_left", cell_id=order.cell_id, member=order.member is not None,
+                      wait_step_s=round(waited, 3), leave_s=round(leave_s, 3))
+
+    async def _form(self, decision: Decision) -> None:
+        """(Lock held.) Form the group `decision` names: the old members that are not in it leave, the new ones join
+        generation g+1 through the store and load the latest checkpoint. A member found gone meanwhile is left out
+        and the group formed without it."""
+        assert self.client is not None
+        members, reason = decision.members, decision.reason
+        had_group = self.group is not None
+        while True:
+            started = time.monotonic()
+            old = self.group
+            if old is not None:
+                await self.client.leave([m for m in old.members if m not in members], old.generation, LEAVE_TIMEOUT_S)
+            self.group, self.intact = None, True
+            self.formed.clear()
+            if not members:
+                if had_group:  # dissolved: no cell trains now
+                    await self._group_formed(Group(self.generation + 1, ()), started, {}, reason)
+                return
+            alive = await asyncio.gather(*(self.client.alive(m) for m in members))
+            gone = [m for m, ok in zip(members, alive, strict=True) if not ok]
+            if not gone:
+                group = Group(self.generation + 1, members)
+                self.generation = group.generation
+                try:
+                    replies = await self.client.form(group, self._form_requests(group), self.options.form_timeout_s)
+                except GroupBroken as exc:
+                    gone = list(exc.gone)
+                    if not gone:
+                        raise
+                else:
+                    self._take_state([r.state for r in replies])
+                    self.group = group
+                    self.formed.set()
+                    slowest = max(replies, key=lambda r: sum(r.phases.values()))
+                    await self._group_formed(group, started, slowest.phases, reason)
+                    await self._after_form()
+                    return
+            self.failed.update(m.rank_id for m in gone)
+            self.log.warning("members_gone", cells=[m.cell_id for m in gone])
+            decision = self._decide()
+            members, reason = decision.members, decision.reason
+
+    def _form_requests(self, group: Group) -> list[FormRequest]:
+        return [
+            FormRequest(
+                generation=group.generation, rank_id=m.rank_id, rank=rank, world_size=group.world_size,
+                store_host=self.options.store_host, store_port=self._tcp_store.port,
+                checkpoint_root=str(self.checkpoint_root), keep_checkpoints=self.options.keep_checkpoints,
+                first_step=self.options.first_step, timeout_s=self.options.collective_timeout_s,
+                trainer=self.trainer_spec(),
+            )
+            for rank, m in enumerate(group.members)
+        ]
+
+    def _take_state(self, states: list[TrainerState]) -> None:
+        if any(s != states[0] for s in states[1:]):
+            raise TrainerServiceError(f"the members resumed different checkpoints: {states} (is the checkpoint "
+                                      "directory shared by every rank?)")
+        self.state = states[0]
+
+    async def _group_formed(self, group: Group, started: float, phases: dict[str, float], reason: str) -> None:
+        next_step = self.state.last_step + 1 if self.state is not None else self.options.first_step
+        data = GroupFormed(generation=group.generation, members=[m.cell_id for m in group.members],
+                           world_size=group.world_size, next_step=next_step, seconds=time.monotonic() - started,
+                           phases=phases, reason=reason)
+        self.generation = group.generation
+        await self.emit([self.event(data, stream_id=trainer_stream_id(self.settings.run_id))], expected_version="any")
+        self.log.info("group_formed", generation=group.generation, members=data.members, next_step=next_step,
+                      seconds=round(data.seconds, 3), reason=reason, **{k: round(v, 3) for k, v in phases.items()})
+
+    async def _after_form(self) -> None:
+        """The first group of this incarnation publishes the initial weights (once per run) and records the
+        checkpointed step's events if a crash lost them (before any later batch: one can arrive first, while the
+        crashed consumer's message waits out its ack_wait)."""
+        assert self.state is not None
+        if not self._initial_published and self.state.policy_version == 0:
+            await self._publish_initial()
+        self._initial_published = True
+        if not self._recovered:
+            if self.state.last_step >= self.options.first_step:
+                await self.record(await self._step_effects(None, self.state, None, []))
+            self._recovered = True
 
     # ------------------------------------------------------------------------------------------ steps
 
     async def handle(self, event: Event) -> Effects | None:
-        """Train the batch's step (outside any transaction: the runtime records the returned effects with the
-        event's tracking row once the step is trained and checkpointed)."""
+        """Drive the batch's step on the group (outside any transaction: the runtime records the returned effects
+        with the event's tracking row once every member has trained and checkpointed it)."""
         data = event.data
         if not isinstance(data, BatchReady):
             return None
-        assert self.trainer is not None and self.store is not None
-        if data.step <= self.last_step:
-            # Trained before a crash that lost its record: the checkpoint has the result; emit it.
-            self.log.info("batch_already_trained", step=data.step, last_step=self.last_step)
-            if data.step == self.last_step:
-                return await self._step_effects(event, data.step, self.last_metrics, self.last_seconds)
-            return None
-        if data.step != self.last_step + 1:
-            raise StepOutOfOrder(f"batch for step {data.step} arrived, expected step {self.last_step + 1} first")
-        batch = TrainingBatch.decode(await self.blobs.get(data.batch))
-        if batch.step != data.step:
-            raise TrainerServiceError(f"batch.ready says step {data.step}, the batch blob says {batch.step}")
-        started = time.perf_counter()
-        metrics = await asyncio.to_thread(self.trainer.step, batch)
-        try:
-            seconds = time.perf_counter() - started
-            metrics["staleness_bound_violations"] = float(
-                metrics["staleness_max"] > self.settings.max_staleness
-            )
-            # Checkpoint before the record: a crash after this line finds the step trained and only re-emits.
-            await asyncio.to_thread(
-                self.trainer.save,
-                self.checkpoint_root,
-                self.options.keep_checkpoints,
-                {"last_step": data.step, "metrics": metrics, "seconds": seconds},
-            )
-        except Exception:
-            # The weights moved in memory but the step is not saved: go back to the last checkpoint, so the
-            # batch's redelivery trains it once from the same weights (or, if the save did complete, finds it
-            # trained and only re-emits). Not on cancellation (the service stopping): the save's thread runs
-            # on to completion, and rolling back under it would mix two states in the checkpoint.
-            await asyncio.to_thread(self._roll_back)
-            raise
-        self.last_step, self.last_metrics, self.last_seconds = data.step, metrics, seconds
-        effects = await self._step_effects(event, data.step, metrics, seconds)
-        self.log.info("step_completed", step=data.step, seconds=round(seconds, 3), **{
-            k: round(v, 6) for k, v in metrics.items() if k in ("loss", "clip_fraction", "seq_ratio_mean", "grad_norm")
-        })
+        if self.state is not None and data.step > self.state.last_step + 1:
+            raise StepOutOfOrder(f"batch for step {data.step} arrived, expected step {self.state.last_step + 1} first")
+        deadline = time.monotonic() + self.options.idle_wait_s
+        attempts = 0
+        while True:
+            async with self.lock:
+                try:
+                    await self.converge()
+                    if self.group is not None:
+                        return await self._step_on_group(event, data)
+                except GroupBroken as exc:
+                    attempts += 1
+                    self.log.warning("step_abandoned", step=data.step, attempt=attempts, error=str(exc))
+                    if attempts >= self.options.step_attempts:
+                        raise
+                    continue
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise NoTrainingCells(f"no cell trains; step {data.step} waits for one")
+            try:
+                await asyncio.wait_for(self.formed.wait(), min(left, 1.0))
+            except TimeoutError:
+                pass
+
+    async def _step_on_group(self, event: Event, data: BatchReady) -> Effects | None:
+        """(Lock held, a group formed.) Train the batch's step, or re-emit it when the members' checkpoint holds it."""
+        assert self.group is not None and self.state is not None
+        if data.step <= self.state.last_step:
+            # Trained before a crash or a failed record: the checkpoint has the result; emit it.
+            self.log.info("batch_already_trained", step=data.step, last_step=self.state.last_step)
+            return await self._step_effects(event, self.state, None, []) if data.step == self.state.last_step else None
+        if data.step != self.state.last_step + 1:
+            raise StepOutOfOrder(f"batch for step {data.step} arrived, expected step {self.state.last_step + 1} first")
+        return await self._train(event, data, self.group, self.state)
+
+    async def _train(self, event: Event, data: BatchReady, group: Group, state: TrainerState) -> Effects:
+        assert self.client is not None
+        n = data.step - self.options.first_step + 1
+        request = StepRequest(step=data.step, generation=group.generation, batch=data.batch,
+                              publish=n == 1 or n % self.options.publish_every == 0,
+                              max_staleness=self.settings.max_staleness)
+        started = time.monotonic()
+        replies = await self._on_group(self.client.step(group, request, self.options.step_timeout_s))
+        lead = replies[0]
+        self.state = TrainerState(last_step=data.step, step_count=lead.step_count, policy_version=lead.policy_version,
+                                  metrics=lead.metrics, seconds=lead.seconds, world_size=group.world_size)
+        effects = await self._step_effects(event, self.state, lead.weights, [
+            RankStepped(step=data.step, generation=group.generation, cell_id=m.cell_id, rank=r.rank,
+                        world_size=group.world_size, micro_batches=r.micro_batches, tokens=r.tokens, seconds=r.seconds)
+            for m, r in zip(group.members, replies, strict=True)
+        ])
+        wall = time.monotonic() - started
+        self.log.info("step_completed", step=data.step, world_size=group.world_size, seconds=round(wall, 3),
+                      overhead_s=round(wall - max(r.seconds + r.checkpoint_s for r in replies), 3),
+                      **_headline(lead))
         return effects
 
     async def _step_effects(
-        self, cause: Event | None, step: int, metrics: dict[str, float], seconds: float
+        self, cause: Event | None, state: TrainerState, weights: BlobRef | None, ranks: list[RankStepped]
     ) -> Effects:
-        """`step.completed` for a trained step, and `weights.published` when the step publishes (its weights
-        stored first): nothing when an earlier incarnation recorded them already."""
-        assert self.trainer is not None and self.store is not None
+        """`step.completed` (and each rank's `trainer.rank_stepped`) for the trained step `state.last_step`, and
+        `weights.published` when it publishes (the weights stored by rank 0, or now by the group that holds them):
+        nothing when an earlier incarnation recorded them already."""
+        assert self.store is not None
         effects = Effects()
+        step = state.last_step
         stream = step_stream_id(self.settings.run_id, step)
         if await self.store.read_stream(stream):
             return effects  # emitted and committed already
-        version = self.trainer.policy_version
+        metrics = state.metrics
         # An event cannot hold NaN or infinity (JSON); a diverged step says so by name and count instead.
         nonfinite = sorted(k for k, v in metrics.items() if not math.isfinite(v))
         if nonfinite:
             self.log.warning("nonfinite_metrics", step=step, metrics=nonfinite)
             metrics = {**{k: v for k, v in metrics.items() if k not in nonfinite},
                        "nonfinite_metrics": float(len(nonfinite))}
-        completed = StepCompleted(
-            step=step,
-            policy_version=version,
-            world_size=self.trainer.world_size,
-            seconds=seconds,
-            metrics=metrics,
-        )
+        completed = StepCompleted(step=step, policy_version=state.policy_version, world_size=state.world_size,
+                                  seconds=state.seconds, metrics=metrics)
         effects.append([self.event(completed, stream_id=stream, version=1, cause=cause)], expected_version=0)
+        if ranks:
+            trainer_stream = trainer_stream_id(self.settings.run_id)
+            effects.append([self.event(r, stream_id=trainer_stream, cause=cause) for r in ranks],
+                           expected_version="any")
         n = step - self.options.first_step + 1
         if n == 1 or n % self.options.publish_every == 0:
-            ref = await self._store_weights()
-            published = WeightsPublished(version=version, step=step, weights=ref)
-            stream = weights_stream_id(self.settings.run_id, version)
+            ref = weights or await self._publish()
+            published = WeightsPublished(version=state.policy_version, step=step, weights=ref)
+            stream = weights_stream_id(self.settings.run_id, state.policy_version)
             effects.append([self.event(published, stream_id=stream, version=1, cause=cause)], expected_version=0)
         return effects
 
-    async def _store_weights(self) -> BlobRef:
-        assert self.trainer is not None
-        data = await asyncio.to_thread(self.trainer.weights_bytes)
-        if data is None:
-            raise TrainerServiceError("rank 0 produced no weights")
-        return await self.blobs.put(data, WEIGHTS_MEDIA_TYPE, store="object")
+    async def _publish(self) -> BlobRef:
+        assert self.client is not None
+        if self.group is None:
+            raise TrainerServiceError("no group holds the weights to publish")
+        return await self._on_group(self.client.publish(self.group, self.options.step_timeout_s))
 
     async def _publish_initial(self) -> None:
         assert self.store is not None
         stream = weights_stream_id(self.settings.run_id, 0)
         if await self.store.read_stream(stream):
             return
-        ref = await self._store_weights()
-        event = self.event(WeightsPublished(version=0, step=-1, weights=ref), stream_id=stream, version=1)
+        event = self.event(WeightsPublished(version=0, step=-1, weights=await self._publish()), stream_id=stream)
         try:
             await self.emit([event], expected_version=0)
         except ConcurrencyConflict as exc:  # another incarnation published it first: same weights
             self.log.info("initial_weights_already_published", detail=str(exc))
+
+
+def _tcp_store(port: int) -> Any:
+    """The rendezvous store the members meet in (each generation under a prefix of its own)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, use_libuv=True)
+
+
+def _headline(reply: StepReply) -> dict[str, float]:
+    return {k: round(v, 6) for k, v in reply.metrics.items() if k in ("loss", "clip_fraction", "grad_norm")}
+
+
+__all__ = [
+    "NoTrainingCells",
+    "StepOutOfOrder",
+    "TrainerOptions",
+    "TrainerService",
+    "TrainerServiceError",
+    "step_stream_id",
+    "trainer_stream_id",
+    "weights_stream_id",
+]

@@ -1,0 +1,55 @@
+"""The trainer's own settings (env `GYRE_TRAINER_…`): the coordinator's (`TrainerOptions`, which it hands to the
+ranks with each `form`) and a rank process's (`RankOptions`). The loss settings come from shared `Settings`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class TrainerOptions(BaseSettings):
+    """The coordinator's settings; training hyperparameters travel to the ranks in `form` (protocol.TrainerSpec)."""
+
+    model_config = SettingsConfigDict(env_prefix="GYRE_TRAINER_", extra="ignore", frozen=True)
+
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    publish_every: int = 1  # publish weights after every N-th step (and always after the first)
+    first_step: int = 0  # the step number of the first batch of a run
+    keep_checkpoints: int = 2
+    # How long a batch a crashed trainer held waits for redelivery (default: the shared GYRE_ACK_WAIT_S). A
+    # step may take many minutes; the consumer's progress acks keep its batch from redelivery meanwhile.
+    ack_wait_s: float | None = None
+    # Default: <state_dir>/trainer/<run_id>/checkpoints. Every rank must see the same directory (one node, or a
+    # shared filesystem).
+    checkpoint_dir: Path | None = None
+    # The coordinator's TCPStore, where the ranks meet: the address the ranks dial (this host as they see it)
+    # and the port it listens on (0: any free port; the ranks learn it from `form`).
+    store_host: str = "127.0.0.1"
+    store_port: int = Field(default=0, ge=0)
+    # A rank's rendezvous and every collective give up after this: a survivor stuck with a dead peer returns.
+    collective_timeout_s: float = Field(default=60.0, gt=0)
+    form_timeout_s: float = Field(default=900.0, gt=0)  # one member's form (rendezvous, build, checkpoint load)
+    step_timeout_s: float = Field(default=3600.0, gt=0)  # one member's step, checkpoint and publication
+    # While a step runs, the members that have not answered are asked who they are this often: a dead process's
+    # subject has no responders (or a restarted one answers with another rank id).
+    probe_every_s: float = Field(default=1.0, gt=0)
+    step_attempts: int = Field(default=3, ge=1)  # re-forms and redos of one step before its batch is retried later
+    # How long one delivery of a batch waits for a cell to train before it is handed back (and retried).
+    idle_wait_s: float = Field(default=30.0, gt=0)
+
+
+class RankOptions(BaseSettings):
+    """A rank process's settings: the cell it stands by on (the cell agent sets `GYRE_TRAINER_CELL_ID`)."""
+
+    model_config = SettingsConfigDict(env_prefix="GYRE_TRAINER_", extra="ignore", frozen=True)
+
+    cell_id: str = ""
+
+
+__all__ = ["RankOptions", "TrainerOptions"]

@@ -1,0 +1,173 @@
+"""The trainer rank process (`python -m services.trainer rank`), one per cell: stands by warm, says so with
+`trainer.rank_ready`, and serves the coordinator's verbs (protocol.py) on the cell's subjects.
+
+Torch runs on one thread of its own (rank_work.py), so the NATS connection keeps answering while a step trains:
+the coordinator's `ping` tells a busy rank from a dead one, whose subjects have no responders.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from services.trainer.options import RankOptions
+from services.trainer.protocol import (
+    VERBS,
+    Body,
+    ErrorReply,
+    FormRequest,
+    LeaveReply,
+    LeaveRequest,
+    PingReply,
+    PublishReply,
+    PublishRequest,
+    StepReply,
+    StepRequest,
+    Verb,
+    REQUESTS,
+    rank_subject,
+)
+from services.trainer.rank_work import RankWork
+from services.trainer.weights import WEIGHTS_MEDIA_TYPE
+from shared.events import RankReady, stream_id_for
+from shared.logging import configure_logging
+from shared.runtime import Service
+from shared.settings import Settings, load_settings
+
+T = TypeVar("T")
+
+
+class TrainerRankError(Exception):
+    pass
+
+
+class RankRefused(TrainerRankError):
+    """A `form` meant for another process on this cell (one that ran here before this one)."""
+
+
+class RankService(Service):
+    name = "trainer-rank"
+
+    def __init__(self, settings: Settings | None = None, options: RankOptions | None = None) -> None:
+        super().__init__(settings)
+        self.options = options or RankOptions()
+        if not self.options.cell_id:
+            raise TrainerRankError("GYRE_TRAINER_CELL_ID must name the cell this rank stands by on")
+        if self.settings.model_dir is None:
+            raise TrainerRankError("GYRE_MODEL_DIR must name the model directory the trainer starts from")
+        self.cell_id = self.options.cell_id
+        self.rank_id = f"{self.cell_id}-{uuid.uuid4().hex[:8]}"  # a restarted process is another rank
+        self.log = self.log.bind(cell_id=self.cell_id, rank_id=self.rank_id)
+        self.work = RankWork(self.settings.model_dir)
+        self.busy: str | None = None  # the verb the torch thread runs
+        self._torch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
+        self._subscriptions: list[Any] = []
+        self.warm_s = 0.0
+
+    async def setup(self) -> None:
+        assert self.bus is not None
+        started = time.perf_counter()
+        await self._on_torch("warm", self.work.warm)
+        self.warm_s = time.perf_counter() - started
+        handlers: dict[Verb, Callable[[Any], Awaitable[Body]]] = {
+            "form": self.form, "step": self.step, "leave": self.leave, "publish": self.publish, "ping": self.ping,
+        }
+        for verb in VERBS:
+            subject = rank_subject(self.bus.prefix, self.cell_id, verb)
+            self._subscriptions.append(await self.bus.serve(subject, self._answering(verb, handlers[verb])))
+        # Only now: the coordinator may ask for it the moment it reads this.
+        ready = self.event(RankReady(cell_id=self.cell_id, rank_id=self.rank_id),
+                           stream_id=stream_id_for("cell", self.cell_id))
+        await self.emit([ready], expected_version="any")
+        self.log.info("rank_ready", warm_s=round(self.warm_s, 3))
+
+    async def teardown(self) -> None:
+        for sub in self._subscriptions:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # gone with the connection
+                pass
+        try:
+            await asyncio.wait_for(self._on_torch("leave", self.work.leave), 10)
+        except Exception as exc:  # a thread stuck in a collective: the process exits without it
+            self.log.warning("leave_on_stop_failed", error=f"{type(exc).__name__}: {exc}")
+        self._torch.shutdown(wait=False, cancel_futures=True)
+
+    def health(self) -> dict[str, Any]:
+        return {"cell_id": self.cell_id, "rank_id": self.rank_id, "generation": self.work.generation,
+                "busy": self.busy, "warm_s": round(self.warm_s, 3)}
+
+    # ---- the verbs ----
+
+    def _answering(self, verb: Verb, handler: Callable[[Any], Awaitable[Body]]) -> Callable[[bytes], Awaitable[bytes]]:
+        async def answer(data: bytes) -> bytes:
+            try:
+                request = REQUESTS[verb].model_validate_json(data)
+                reply: Body = await handler(request)
+            except Exception as exc:
+                if verb != "ping":
+                    self.log.warning("verb_failed", verb=verb, error=f"{type(exc).__name__}: {exc}")
+                reply = ErrorReply(rank_id=self.rank_id, error=f"{type(exc).__name__}: {exc}")
+            return reply.model_dump_json().encode()
+
+        return answer
+
+    async def form(self, request: FormRequest) -> Body:
+        if request.rank_id != self.rank_id:
+            raise RankRefused(f"the form is for rank {request.rank_id}; this process on {self.cell_id} is "
+                              f"{self.rank_id}")
+        reply = await self._on_torch("form", self.work.form, request)
+        self.log.info("rank_formed", generation=request.generation, rank=request.rank, world_size=request.world_size,
+                      last_step=reply.state.last_step, **{k: round(v, 3) for k, v in reply.phases.items()})
+        return reply
+
+    async def step(self, request: StepRequest) -> Body:
+        batch = await self.blobs.get(request.batch)
+        self.log.info("step_started", step=request.step, generation=request.generation)
+        reply: StepReply
+        reply, weights = await self._on_torch("step", self.work.step, request, batch, self.rank_id)
+        if weights is not None:
+            ref = await self.blobs.put(weights, WEIGHTS_MEDIA_TYPE, store="object")
+            reply = reply.model_copy(update={"weights": ref})
+        self.log.info("step_done", step=request.step, seconds=round(reply.seconds, 3),
+                      checkpoint_s=round(reply.checkpoint_s, 3))
+        return reply
+
+    async def leave(self, request: LeaveRequest) -> Body:
+        started = time.perf_counter()
+        generation = self.work.generation
+        if request.generation in (0, generation) or generation is None:
+            await self._on_torch("leave", self.work.leave)
+        self.log.info("rank_left", generation=generation)
+        return LeaveReply(rank_id=self.rank_id, seconds=time.perf_counter() - started)
+
+    async def publish(self, request: PublishRequest) -> Body:
+        weights = await self._on_torch("publish", self.work.publish, request.generation)
+        ref = await self.blobs.put(weights, WEIGHTS_MEDIA_TYPE, store="object") if weights is not None else None
+        return PublishReply(rank_id=self.rank_id, weights=ref)
+
+    async def ping(self, request: Body) -> Body:
+        return PingReply(rank_id=self.rank_id, generation=self.work.generation, busy=self.busy)
+
+    async def _on_torch(self, verb: str, fn: Callable[..., T], *args: Any) -> T:
+        def run() -> T:
+            self.busy = verb
+            try:
+                return fn(*args)
+            finally:
+                self.busy = None
+
+        return await asyncio.get_running_loop().run_in_executor(self._torch, run)
+
+
+def main() -> None:
+    settings = load_settings()
+    configure_logging(RankService.name, run_id=settings.run_id)
+    asyncio.run(RankService(settings).run(freeze_heap=True))
+
+
+__all__ = ["RankRefused", "RankService", "TrainerRankError", "main"]
