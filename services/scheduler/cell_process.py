@@ -16,8 +16,8 @@ from typing import IO
 from shared.cells import Role
 from shared.runtime import utcnow
 
-# A command template of just `hold` runs a placeholder that only occupies the cell until it is stopped:
-# for a role whose service runs outside the agent (e.g. a single-process trainer started by `gyre run`).
+# A command template of just `hold` runs a placeholder that only occupies the cell until it is stopped: for tests
+# and deployments whose role's work runs outside the agent (no run that trains uses it: the train role is a rank).
 HOLD = "hold"
 HOLD_ARGV = [sys.executable, "-c", "import signal; signal.pause()"]
 

@@ -1,10 +1,14 @@
 """One cell's switches: converge the cell to the role it was last ordered into, one switch at a time, keep the
-role's process running, and report every transition as an event.
+processes its role needs running, and report every transition as an event.
 
-A switch out of rollout: `cell.draining` → the cell's rollout worker moves its sessions (`kv.migrated` each) and
-reports `cell.drained` (caused by that `cell.draining`) → the process is stopped (SIGTERM, SIGKILL after a
-timeout) → `cell.released` → the new role's process is started and ready → `cell.ready`. The runner learns
-what its worker did only from the worker's events, which the agent folds into `fold_report`.
+Warm (`GYRE_CELL_WARM`, the default), both roles' processes run once the cell has a role, and a switch starts
+nothing: `cell.draining` → the old role's process lets go (a rollout worker moves its sessions, `kv.migrated`
+each, and sleeps; the trainer coordinator lets the cell's rank leave its group at a step boundary) and says so
+with `cell.drained` (caused by that `cell.draining`) → `cell.released` → the other process takes the role (the
+worker wakes on the release and reports `weights.loaded`; the coordinator lets the rank into its group and
+reports `trainer.group_formed` listing the cell) → `cell.ready(warm=True, phases)`. The restart path (warm off,
+or a process that died) stops the old process after its drain and starts the new one cold. The runner learns
+what the processes did only from their events, which the agent folds into `reports` (cell_reports.py).
 """
 
 from __future__ import annotations
@@ -12,10 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shlex
 import sys
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -23,10 +25,20 @@ from typing import Any, Protocol, TypeVar
 
 import httpx
 
-from services.scheduler.cell_process import HOLD, HOLD_ARGV, CellProcess
+from services.scheduler.cell_launch import CellLaunch
+from services.scheduler.cell_process import CellProcess
+from services.scheduler.cell_reports import CellReports
 from services.scheduler.cell_settings import CellSettings
+from services.scheduler.cell_switch import (
+    keeps_old_process,
+    kept_roles,
+    merged_phases,
+    restart_delay,
+    takes_role_warm,
+)
 from shared.cells import Role
-from shared.events import CellDrained, CellDraining, CellReady, CellReleased, Event, EventData, WeightsLoaded
+from shared.events import CellDrained, CellDraining, CellReady, CellReleased, Event, EventData
+from shared.runtime import utcnow
 from shared.settings import Settings
 
 T = TypeVar("T")
@@ -42,7 +54,8 @@ class CellStartFailed(CellAgentError):
 
 
 class CellHost(Protocol):
-    """What a runner needs from its agent: configuration, and a way to write the cell's events."""
+    """What a runner needs from its agent: configuration, a way to write the cell's events, and the newest
+    generation of the trainer's group in the log."""
 
     cfg: CellSettings
     settings: Settings
@@ -52,10 +65,12 @@ class CellHost(Protocol):
 
     async def report(self, data: EventData, *, cell_id: str, cause: Event | None) -> Event: ...
 
+    async def group_generation(self) -> tuple[int, tuple[str, ...]]: ...
+
 
 class CellRunner:
-    """Converges one cell to the role it was last ordered into, one switch at a time, and keeps the
-    role's process running (a crashed process is restarted; one that exits 0 has finished its work)."""
+    """Converges one cell to the role it was last ordered into, one switch at a time, and keeps the processes
+    of its role running (a crashed one is restarted after a backoff; one that exits 0 has finished its work)."""
 
     def __init__(self, host: CellHost, cell_id: str, index: int) -> None:
         self.host = host
@@ -65,23 +80,36 @@ class CellRunner:
         self.desired: Role = Role.IDLE
         self.applied_version = 0  # stream version of the assignment `desired` came from
         self.cause: Event | None = None
-        self.proc: CellProcess | None = None
-        self.starting: CellProcess | None = None  # launched, not yet ready (not in `proc` until it is)
+        self.procs: dict[Role, CellProcess] = {}  # each role's process, from its launch (ready or not) to its stop
         self.launches = 0
+        self.crashes: dict[Role, int] = {}  # crashes in a row, per role
+        self.restart_at: dict[Role, float] = {}  # monotonic time a crashed role's process may start again
+        self.finished: set[Role] = set()  # exited 0: not restarted until a switch needs the role
+        # No process kept while idle: ordered idle, or not yet ordered unless both roles stand by from the start.
+        self.parked = not host.cfg.standby_from_start
         # cell.ready for the role taken, until it is in the log: the scheduler counts the cell from that event
         # alone, so a write that fails is tried again rather than leave the cell "switching" for ever.
         self.unreported: CellReady | None = None
         self.changed = asyncio.Event()
-        # The fold of the cell's worker reports: finished drains by the cell.draining that asked for them, and
-        # the newest weights.loaded (when it happened, the version). `reported` wakes a switch waiting on them.
-        self.drains: dict[uuid.UUID, CellDrained] = {}
-        self.loaded: tuple[datetime, int] | None = None
+        # The fold of the cell's process reports; `reported` wakes a switch waiting on one.
+        self.reports = CellReports(cell_id)
         self.reported = asyncio.Event()
+        self.launch = CellLaunch(host.cfg, host.settings, host.node_id, cell_id, index)
         self.log = host.log.bind(cell_id=cell_id)
 
     @property
     def cfg(self) -> CellSettings:
         return self.host.cfg
+
+    @property
+    def active(self) -> CellProcess | None:
+        """The process serving the cell's role (None while idle, or between a crash and its restart)."""
+        return self.procs.get(self.role)
+
+    @property
+    def standby(self) -> CellProcess | None:
+        other = [p for r, p in self.procs.items() if r is not self.role]
+        return other[0] if other else None
 
     def want(self, role: Role, version: int, cause: Event | None) -> None:
         if version <= self.applied_version:
@@ -90,16 +118,9 @@ class CellRunner:
         self.changed.set()
 
     def fold_report(self, event: Event) -> None:
-        """A report of this cell's worker: a drain it finished, or weights it serves."""
-        match event.data:
-            case CellDrained() as drained if event.causation_id is not None:
-                self.drains[event.causation_id] = drained
-            case WeightsLoaded(version=version):
-                if self.loaded is None or event.occurred_at >= self.loaded[0]:
-                    self.loaded = (event.occurred_at, version)
-            case _:
-                return
-        self.reported.set()
+        """A report about this cell: a drain finished, weights its worker serves, a group listing it."""
+        if self.reports.fold(event):
+            self.reported.set()
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -120,55 +141,158 @@ class CellRunner:
                     self.log.exception("cell_switch_failed", to_role=self.desired)
                     await _sleep_unless(stop, self.cfg.restart_backoff_s)
                 continue
-            if self.proc is not None and self.proc.exited:
-                await self._supervise(stop)
+            if await self._reap():
                 continue
+            next_start = await self._start_missing()
             self.changed.clear()
-            waits = [self.changed.wait(), stop.wait()] + ([self.proc.wait()] if self.proc is not None else [])
-            await _first_of(waits, timeout_s=None)
+            waits = [self.changed.wait(), stop.wait()] + [p.wait() for p in self.procs.values()]
+            await _first_of(waits, timeout_s=None if next_start is None else max(0.0, next_start - time.monotonic()))
 
-    async def _supervise(self, stop: asyncio.Event) -> None:
-        assert self.proc is not None
-        code = await self.proc.stop(0)
-        role = self.proc.role
-        self.proc = None
-        if code == 0:
-            self.log.info("cell_process_finished", role=role)
-            return
-        self.log.warning("cell_process_crashed", role=role, exit_code=code)
-        await _sleep_unless(stop, self.cfg.restart_backoff_s)
-        if stop.is_set() or self.desired != self.role:
-            return
-        try:
-            self.proc, _ = await self._launch(self.role, stop)
-            self.log.info("cell_process_restarted", role=self.role, pid=self.proc.pid)
-        except CellStartFailed as exc:
-            self.log.error("cell_restart_failed", error=str(exc))
+    # ---- keeping processes up ----
+
+    async def _reap(self) -> bool:
+        """Collect the processes that exited: a crash is restarted after a backoff (`_start_missing`), a clean
+        exit is not. True if any had."""
+        reaped = False
+        for role, proc in list(self.procs.items()):
+            if not proc.exited:
+                continue
+            reaped = True
+            del self.procs[role]
+            code = await proc.stop(0)
+            standby = role is not self.role
+            if code == 0:
+                self.finished.add(role)
+                self.log.info("cell_process_finished", role=role, standby=standby)
+                continue
+            self.crashes[role] = self.crashes.get(role, 0) + 1
+            delay = restart_delay(self.cfg.restart_backoff_s, self.cfg.restart_backoff_max_s, self.crashes[role])
+            self.restart_at[role] = time.monotonic() + delay
+            self.log.warning("cell_process_crashed", role=role, standby=standby, exit_code=code,
+                             crashes_in_a_row=self.crashes[role], restart_in_s=delay)
+        return reaped
+
+    async def _start_missing(self) -> float | None:
+        """Start the processes the cell's role keeps that are not running (a standby after the role was taken,
+        a crashed process once its backoff is over), without waiting for them: each says itself when it is up
+        (a worker's `weights.loaded`, a rank's `trainer.rank_ready`). Returns when the next backoff ends."""
+        now = time.monotonic()
+        pending: list[float] = []
+        for role in kept_roles(self.role, warm=self.cfg.warm, parked=self.parked):
+            if role in self.procs or role in self.finished:
+                continue
+            if (due := self.restart_at.get(role, 0.0)) > now:
+                pending.append(due)
+                continue
+            standby = role is not self.role
+            try:
+                proc = await self._start(role, standby=standby)
+            except CellStartFailed as exc:
+                self.crashes[role] = self.crashes.get(role, 0) + 1
+                self.restart_at[role] = now + restart_delay(self.cfg.restart_backoff_s, self.cfg.restart_backoff_max_s,
+                                                            self.crashes[role])
+                self.log.error("cell_process_not_started", role=role, standby=standby, error=str(exc))
+                pending.append(self.restart_at[role])
+                continue
+            event = "cell_process_restarted" if self.crashes.get(role) else "cell_standby_started"
+            self.log.info(event, role=role, standby=standby, pid=proc.pid)
+        return min(pending) if pending else None
+
+    # ---- switching ----
 
     async def switch(self, target: Role, stop: asyncio.Event) -> None:
         t0 = time.monotonic()
         old = self.role
         self.unreported = None  # a newer order: its own cell.ready follows
-        self.log.info("cell_switch_started", from_role=old, to_role=target)
+        self.log.info("cell_switch_started", from_role=old, to_role=target, warm=self.cfg.warm)
+        await self._reap()  # a process that died since the last look is not a warm one
+        phases: dict[str, float] = {}
+        drained: CellDrained | None = None
+        generation = 0
+        old_released = False  # a release from idle was emitted (a warm cell's first assignment)
         if old is not Role.IDLE:
             draining = await self._emit(CellDraining(cell_id=self.cell_id, from_role=old))
-            migrated = 0
-            if self.proc is not None and self._reports_its_drain(self.proc):
-                drained = await self._await_drained(self.proc, draining, stop)
-                migrated = drained.migrated_sessions if drained is not None else 0
-            if self.proc is not None:
-                code = await self.proc.stop(self.cfg.stop_timeout_s)
+            proc = self.procs.get(old)
+            reports = self.launch.reports_its_drain(old)
+            if proc is not None and reports:
+                drained = await self._await_drained(proc, draining, stop)
+            if proc is not None and not keeps_old_process(warm=self.cfg.warm, target=target, reports_drain=reports,
+                                                          drained=drained is not None):
+                t_stop = time.monotonic()
+                code = await proc.stop(self.cfg.stop_timeout_s)
+                self.procs.pop(old, None)
+                phases["stop_s"] = time.monotonic() - t_stop
                 self.log.info("cell_process_stopped", role=old, exit_code=code)
-                self.proc = None
             self.role = Role.IDLE
-            await self._emit(CellReleased(cell_id=self.cell_id, from_role=old, migrated_sessions=migrated,
+            # Read before the release: the coordinator lets the cell into a group only after it, so a group that
+            # lists the cell with a newer generation was formed for this switch.
+            generation = await self._group_generation(target)
+            released_at = utcnow()
+            await self._emit(CellReleased(cell_id=self.cell_id, from_role=old,
+                                          migrated_sessions=drained.migrated_sessions if drained else 0,
                                           seconds=time.monotonic() - t0))
-        version = None
-        if target is not Role.IDLE:
-            self.proc, version = await self._launch(target, stop)
+        else:
+            if self.cfg.warm and not self.parked and target is not Role.IDLE:
+                # Both roles stand by from the start: an order that came before they were started starts them
+                # now, in standby, and the release below wakes the role's (a worker still loading its engine
+                # finds the release when it is up).
+                await self._start_missing()
+            generation = await self._group_generation(target)
+            released_at = utcnow()
+            standing_by = self.procs.get(target)
+            if self.cfg.warm and target is not Role.IDLE and standing_by is not None and not standing_by.exited:
+                # A first assignment of a warm cell: its standby takes the role on the cell's release from idle.
+                await self._emit(CellReleased(cell_id=self.cell_id, from_role=Role.IDLE, migrated_sessions=0,
+                                              seconds=time.monotonic() - t0))
+                old_released = True
+        self.parked = target is Role.IDLE
+        if target is Role.IDLE:
+            await self._stop_all("idle")
+            self.role = target
+            self.unreported = CellReady(cell_id=self.cell_id, role=target, switch_seconds=time.monotonic() - t0)
+            await self._report_ready()
+            return
+        self.finished.discard(target)
+        self.crashes.pop(target, None)
+        self.restart_at.pop(target, None)
+        warm, version = False, None
+        said: dict[str, float] = {}
+        proc = self.procs.get(target)
+        if proc is not None and takes_role_warm(warm=self.cfg.warm, released=old is not Role.IDLE or old_released,
+                                                target_running=not proc.exited):
+            try:
+                version, said = await self._await_ready(proc, stop, since=released_at, generation=generation,
+                                                        warm=True)
+                warm = True
+            except CellStartFailed as exc:
+                # The warm process did not take the role (it died, or said nothing in time): the restart path.
+                self.log.warning("cell_warm_switch_failed", role=target, error=str(exc))
+                await proc.stop(self.cfg.stop_timeout_s)
+                self.procs.pop(target, None)
+                if stop.is_set():
+                    raise
+        elif proc is not None:
+            # Not one to wake (restart path, dead, or no release to wake it on after a failed switch): start afresh.
+            await proc.stop(self.cfg.stop_timeout_s)
+            self.procs.pop(target, None)
+        if not warm:
+            t_start = time.monotonic()
+            proc = await self._start(target, standby=False)
+            try:
+                version, said = await self._await_ready(proc, stop, since=proc.launched_at, generation=generation,
+                                                        warm=False)
+            except BaseException:
+                # If this stop is cancelled (the agent's shutdown cuts its tasks short), `procs` still names the
+                # process and `shutdown` finishes the job.
+                await proc.stop(self.cfg.stop_timeout_s)
+                self.procs.pop(target, None)
+                raise
+            phases["start_s"] = time.monotonic() - t_start
         self.role = target
-        self.unreported = CellReady(cell_id=self.cell_id, role=target, switch_seconds=time.monotonic() - t0,
-                                    policy_version=version)
+        self.unreported = CellReady(
+            cell_id=self.cell_id, role=target, switch_seconds=time.monotonic() - t0, policy_version=version,
+            warm=warm, phases=merged_phases(drained.phases if drained else {}, said, phases),
+        )
         await self._report_ready()
 
     async def _report_ready(self) -> None:
@@ -176,103 +300,64 @@ class CellRunner:
         ready = self.unreported
         await self._emit(ready)
         self.unreported = None
-        self.log.info("cell_ready", role=ready.role, switch_seconds=round(ready.switch_seconds, 3))
+        self.log.info("cell_ready", role=ready.role, switch_seconds=round(ready.switch_seconds, 3), warm=ready.warm,
+                      phases={k: round(v, 3) for k, v in ready.phases.items()})
+
+    async def _group_generation(self, target: Role) -> int:
+        """The generation a rank's readiness is a later group than: the newest one, unless it already lists the
+        cell (a rank standing by on an idle cell is let in on the assignment itself, which may come first)."""
+        if self._readiness(target) != "group":
+            return 0
+        generation, members = await self.host.group_generation()
+        return generation - 1 if self.cell_id in members else generation
 
     # ---- processes ----
 
-    def template(self, role: Role) -> str:
-        return self.cfg.rollout_command if role is Role.ROLLOUT else self.cfg.train_command
-
     def command(self, role: Role) -> list[str]:
-        template = self.template(role)
-        if template.strip() == HOLD:
-            return list(HOLD_ARGV)
-        values = {
-            "cell_id": self.cell_id, "node_id": self.host.node_id, "run_id": self.host.settings.run_id,
-            "python": sys.executable, "port": str(self.port or ""), "devices": self.devices,
-        }
-        return [part.format(**values) for part in shlex.split(template)]
+        return self.launch.command(role, sys.executable)
 
-    @property
-    def port(self) -> int | None:
-        return self.cfg.health_port_base + self.index if self.cfg.health_port_base else None
-
-    @property
-    def devices(self) -> str:
-        n = self.cfg.accelerators
-        return ",".join(str(i) for i in range(self.index * n, (self.index + 1) * n))
-
-    def environment(self, role: Role | str) -> dict[str, str]:
-        role = Role(role)
-        s = self.host.settings
-        env = dict(os.environ)
-        env.pop("GYRE_HEALTH_PORT", None)  # the agent's own port; each child gets its cell's
-        env.update({
-            "GYRE_RUN_ID": s.run_id, "GYRE_SUBJECT_PREFIX": s.subject_prefix, "GYRE_NODE_ID": self.host.node_id,
-            "GYRE_CELL_ID": self.cell_id, "GYRE_CELL_ROLE": role.value,
-        })
-        for key, value in (("GYRE_DATABASE_URL", s.database_url), ("GYRE_NATS_URL", s.nats_url),
-                           ("GYRE_DB_SCHEMA", s.db_schema or "")):
-            if value:
-                env[key] = value
-        if self.port:
-            env["GYRE_HEALTH_PORT"] = str(self.port)
-        if role is Role.ROLLOUT:
-            env["GYRE_ROLLOUT_CELL_ID"] = self.cell_id
-        if role is Role.TRAIN:
-            env["GYRE_TRAINER_CELL_ID"] = self.cell_id
-        if self.cfg.device.startswith("cuda"):
-            env["CUDA_VISIBLE_DEVICES"] = self.devices
-        return env
+    def environment(self, role: Role | str, *, standby: bool = False) -> dict[str, str]:
+        return self.launch.environment(Role(role), os.environ, standby=standby)
 
     def _readiness(self, role: Role) -> str:
-        mode = self.cfg.rollout_ready if role is Role.ROLLOUT else self.cfg.train_ready
-        if (mode == "health" and self.port is None) or self.template(role).strip() == HOLD:
-            return "started"
-        return mode
+        return self.launch.readiness(role)
 
-    def _reports_its_drain(self, proc: CellProcess) -> bool:
-        """Only a Gyre rollout worker (`status` readiness) drains itself on cell.draining and says when it is
-        done; any other process is stopped at once."""
-        return proc.role is Role.ROLLOUT and self._readiness(Role.ROLLOUT) == "status"
-
-    async def _launch(self, role: Role, stop: asyncio.Event) -> tuple[CellProcess, int | None]:
+    async def _start(self, role: Role, *, standby: bool) -> CellProcess:
         self.launches += 1
         log_path = self.host.log_dir / self.cell_id / f"{role}-{self.launches}.log"
         argv = self.command(role)
         try:
-            proc = await CellProcess.start(argv, env=self.environment(role), role=role, log_path=log_path)
+            proc = await CellProcess.start(argv, env=self.environment(role, standby=standby), role=role,
+                                           log_path=log_path)
         except OSError as exc:  # a command that does not exist or cannot run
             raise CellStartFailed(self.cell_id, role, f"could not start {argv}: {exc}") from exc
-        self.log.info("cell_process_started", role=role, pid=proc.pid, argv=argv, log=str(log_path))
-        self.starting = proc
-        try:
-            version = await self._await_ready(proc, stop)
-        except BaseException:
-            # If this stop is cancelled (the agent's shutdown cuts its tasks short), `starting` still names
-            # the process and `shutdown` finishes the job.
-            await proc.stop(self.cfg.stop_timeout_s)
-            self.starting = None
-            raise
-        self.starting = None
-        return proc, version
+        self.procs[role] = proc
+        self.log.info("cell_process_started", role=role, standby=standby, pid=proc.pid, argv=argv, log=str(log_path))
+        return proc
 
-    async def _await_ready(self, proc: CellProcess, stop: asyncio.Event) -> int | None:
-        """Until `proc` is ready for its role; returns the policy version a rollout worker serves (`status`)."""
+    async def _await_ready(self, proc: CellProcess, stop: asyncio.Event, *, since: datetime, generation: int,
+                           warm: bool) -> tuple[int | None, dict[str, float]]:
+        """Until `proc` serves its role: a worker's first `weights.loaded` dated from `since` (its start, or its
+        wake after the release), a rank's first group listing the cell after `generation`. Returns the version a
+        worker serves and the phases the readiness event reported."""
         mode = self._readiness(proc.role)
         version: int | None = None
+        said: dict[str, float] = {}
         match mode:
             case "started":
-                await _first_of([proc.wait(), stop.wait()], timeout_s=self.cfg.start_grace_s)
+                if not warm:
+                    await _first_of([proc.wait(), stop.wait()], timeout_s=self.cfg.start_grace_s)
                 ready = True
             case "status":
-                # The worker's weights.loaded at start-up, dated after this launch (same node, same clock): an
-                # earlier one came from a process that ran on the cell before.
-                version = await self._until(
-                    lambda: self.loaded[1] if self.loaded and self.loaded[0] >= proc.launched_at else None,
-                    proc, stop, self.cfg.ready_timeout_s,
-                )
-                ready = version is not None
+                loaded = await self._until(lambda: self.reports.loaded_since(since), proc, stop)
+                ready = loaded is not None
+                if loaded is not None:
+                    version, said = loaded.version, dict(loaded.phases)
+            case "group":
+                group = await self._until(lambda: self.reports.group_after(generation), proc, stop)
+                ready = group is not None
+                if group is not None:
+                    said = dict(group.phases)
             case _:
                 ready = await self._healthy(proc, stop)
         if proc.exited:
@@ -282,7 +367,7 @@ class CellRunner:
             raise CellStartFailed(self.cell_id, proc.role, "the agent is stopping")
         if not ready:
             raise CellStartFailed(self.cell_id, proc.role, f"not ready ({mode}) within {self.cfg.ready_timeout_s} s")
-        return version
+        return version, said
 
     async def _healthy(self, proc: CellProcess, stop: asyncio.Event) -> bool:
         """Poll the process's health endpoint (HTTP has nothing to wait on) until it answers 200."""
@@ -290,30 +375,30 @@ class CellRunner:
         async with httpx.AsyncClient(timeout=2.0) as http:
             while not proc.exited and not stop.is_set() and time.monotonic() < deadline:
                 with contextlib.suppress(httpx.HTTPError):
-                    if (await http.get(f"http://127.0.0.1:{self.port}/")).status_code == 200:
+                    if (await http.get(f"http://127.0.0.1:{self.launch.port(proc.role)}/")).status_code == 200:
                         return True
                 await _first_of([proc.wait(), stop.wait()], timeout_s=0.05)
         return False
 
     async def _await_drained(self, proc: CellProcess, draining: Event, stop: asyncio.Event) -> CellDrained | None:
-        """Until the worker reports the drain `draining` asked for (its cell.drained), the worker exits, the agent
+        """Until the drain `draining` asked for is reported done (its cell.drained), the process exits, the agent
         stops or `drain_timeout_s` passes; the report, or None without one."""
-        drained = await self._until(lambda: self.drains.pop(draining.event_id, None), proc, stop,
+        drained = await self._until(lambda: self.reports.drained(draining.event_id), proc, stop,
                                     self.cfg.drain_timeout_s)
         if drained is not None:
-            self.log.info("cell_drained", migrated_sessions=drained.migrated_sessions,
-                          parked_sessions=drained.parked_sessions, detail=drained.detail)
+            self.log.info("cell_drained", role=proc.role, migrated_sessions=drained.migrated_sessions,
+                          parked_sessions=drained.parked_sessions, detail=drained.detail, phases=drained.phases)
         elif proc.exited:
-            self.log.warning("worker_exited_while_draining", exit_code=proc.proc.returncode)
+            self.log.warning("process_exited_while_draining", role=proc.role, exit_code=proc.proc.returncode)
         elif not stop.is_set():
-            self.log.warning("drain_timed_out", waited_s=self.cfg.drain_timeout_s)
+            self.log.warning("drain_timed_out", role=proc.role, waited_s=self.cfg.drain_timeout_s)
         return drained
 
     async def _until(self, found: Callable[[], T | None], proc: CellProcess, stop: asyncio.Event,
-                     timeout_s: float) -> T | None:
-        """Wait for `found()` to give a value, checked again on each report of the cell's worker; None once the
-        process exits, the agent stops or `timeout_s` passes."""
-        deadline = time.monotonic() + timeout_s
+                     timeout_s: float | None = None) -> T | None:
+        """Wait for `found()` to give a value, checked again on each report about the cell; None once the
+        process exits, the agent stops or `timeout_s` (default `ready_timeout_s`) passes."""
+        deadline = time.monotonic() + (self.cfg.ready_timeout_s if timeout_s is None else timeout_s)
         while True:
             self.reported.clear()  # before the check: a report that lands after it wakes the wait below
             if (value := found()) is not None:
@@ -326,12 +411,14 @@ class CellRunner:
     async def _emit(self, data: EventData) -> Event:
         return await self.host.report(data, cell_id=self.cell_id, cause=self.cause)
 
+    async def _stop_all(self, reason: str) -> None:
+        for role, proc in list(self.procs.items()):
+            code = await proc.stop(self.cfg.stop_timeout_s)
+            self.procs.pop(role, None)
+            self.log.info("cell_process_stopped", role=role, exit_code=code, reason=reason)
+
     async def shutdown(self) -> None:
-        for proc in (self.starting, self.proc):
-            if proc is not None:
-                code = await proc.stop(self.cfg.stop_timeout_s)
-                self.log.info("cell_process_stopped", role=proc.role, exit_code=code, reason="agent stopping")
-        self.starting = self.proc = None
+        await self._stop_all("agent stopping")
 
 
 async def _first_of(waits: Sequence[Awaitable[Any]], *, timeout_s: float | None) -> None:
@@ -347,3 +434,4 @@ async def _first_of(waits: Sequence[Awaitable[Any]], *, timeout_s: float | None)
 
 async def _sleep_unless(stop: asyncio.Event, seconds: float) -> None:
     await _first_of([stop.wait()], timeout_s=seconds)
+

@@ -13,11 +13,22 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 class CellSettings(BaseSettings):
     """`GYRE_CELL_…`: the node's cells and what runs on them.
 
+    `warm` (default): once a cell has a role, both roles' processes run on it, the other role's in standby (a
+    rollout worker with GYRE_ROLLOUT_STANDBY=1, a trainer rank outside the group), and a switch moves the role
+    between them; off, a switch stops the old role's process and starts the new one (the restart path, which is
+    also the fallback when a warm process died). `standby_from_start` (default, with warm): a registered cell
+    starts both processes in standby before its first order, so even its first assignment starts nothing (the
+    cell's release from idle wakes the role's process); off, the first assignment starts the role's process cold
+    and the other one in standby after it.
+
     Command templates take `{cell_id}`, `{node_id}`, `{run_id}`, `{python}`, `{port}` and `{devices}`.
     Readiness: `status` = the process is a Gyre rollout worker, which says it serves with a `weights.loaded` of
-    its cell at start-up (and reports the end of a drain with `cell.drained`); `health` = the process's health
-    endpoint (GYRE_HEALTH_PORT = health_port_base + cell index) answers 200; `started` = the process is still
-    alive after `start_grace_s`. Only a `status` rollout process is waited for when its cell leaves rollout.
+    its cell (at start-up, or on waking) and reports the end of a drain with `cell.drained`; `group` = the
+    process is a Gyre trainer rank, ready once a `trainer.group_formed` lists its cell (the trainer coordinator
+    answers a drain of the cell with `cell.drained`); `health` = the process's health endpoint answers 200;
+    `started` = the process is still alive after `start_grace_s`. Only `status` and `group` processes are waited
+    for when their cell leaves the role. Health ports (GYRE_HEALTH_PORT): cell *i*'s rollout process gets
+    `health_port_base + i`, its train process `health_port_base + count + i` (a block of 2 × count ports).
     """
 
     model_config = SettingsConfigDict(env_prefix="GYRE_CELL_", extra="ignore", frozen=True)
@@ -28,16 +39,20 @@ class CellSettings(BaseSettings):
     device: str = "cpu"
     memory_bytes: int = Field(default=0, ge=0)
     kv_capacity_tokens: int = Field(default=1 << 20, ge=0)
+    warm: bool = True
+    standby_from_start: bool = True
     rollout_command: str = "{python} -m services.rollout worker"
-    train_command: str = "{python} -m services.trainer"
+    train_command: str = "{python} -m services.trainer rank"
     rollout_ready: Literal["status", "health", "started"] = "status"
-    train_ready: Literal["health", "started"] = "health"
+    train_ready: Literal["group", "health", "started"] = "group"
     health_port_base: int = Field(default=9300, ge=0)  # 0: children get no health port
     start_grace_s: float = Field(default=1.0, ge=0)
     ready_timeout_s: float = Field(default=900.0, gt=0)
-    drain_timeout_s: float = Field(default=600.0, ge=0)  # a worker that has not reported its drain by then is stopped
+    # A process that has not reported its drain by then is stopped (a train cell's waits for a step boundary).
+    drain_timeout_s: float = Field(default=600.0, ge=0)
     stop_timeout_s: float = Field(default=30.0, ge=0)
-    restart_backoff_s: float = Field(default=2.0, ge=0)
+    restart_backoff_s: float = Field(default=2.0, ge=0)  # before restarting a crashed process; doubles per crash
+    restart_backoff_max_s: float = Field(default=60.0, ge=0)  # in a row, up to this
     log_dir: Path | None = None  # default: <state_dir>/cells
 
 

@@ -45,10 +45,14 @@ def cell(
     node_id: Annotated[Optional[str], typer.Option(help="Node id; cells are <node>-cell<i> (GYRE_CELL_NODE_ID).")] = None,
     device: Annotated[Optional[str], typer.Option(help="cpu or cuda (GYRE_CELL_DEVICE).")] = None,
     accelerators: Annotated[Optional[int], typer.Option(help="Accelerators per cell (GYRE_CELL_ACCELERATORS).")] = None,
+    warm: Annotated[Optional[bool], typer.Option(
+        "--warm/--restart",
+        help="Keep both roles' processes on a cell and switch between them, or restart on each switch "
+             "(GYRE_CELL_WARM).")] = None,
 ) -> None:
     """Run this node's cell agent: register its cells and run what the scheduler orders on them."""
     from services.scheduler.cell_agent import main
 
     _override(GYRE_CELL_COUNT=cells, GYRE_CELL_NODE_ID=node_id, GYRE_CELL_DEVICE=device,
-              GYRE_CELL_ACCELERATORS=accelerators)
+              GYRE_CELL_ACCELERATORS=accelerators, GYRE_CELL_WARM=None if warm is None else int(warm))
     main()

@@ -93,6 +93,12 @@ class _Query:
 class RunView:
     """Everything the scheduler knows about its run, built only from the run's events in log order.
 
+    A cell ordered into a role (`cell.assigned`) shows that role at once, `switching`: the policies count it as
+    coming (elastic's incoming rollout room, the size of the train pool) so that they do not order it, or another
+    cell, again; it takes no session and counts for nothing served until its `cell.ready`. In between, its old
+    role lets go (`cell.drained`, then `cell.released`: only from then may the new role's processes use it; on a
+    warm cell the worker wakes, or the trainer lets the rank into its group, on that event).
+
     Sessions are counted live from the dispatch of their query (the harness announces them later) until
     they finish or time out; where each one is comes from the events that say so (`sessions.py`). A cell
     that leaves rollout is drained by its worker: its sessions show as leaving (migrating) until each one's
@@ -152,8 +158,14 @@ class RunView:
                 cell.leaving = Role(data.from_role)
                 if cell.state is not CellState.SWITCHING:
                     cell.state = CellState.DRAINING
-            case CellDrained() | CellReleased():
-                # The worker ended its drain, or the agent stopped it (drain timeout, or it exited first).
+            case CellDrained():
+                # The old role let go of the cell: a rollout worker ended its drain (every kv.migrated of it came
+                # before), or the trainer let the cell's rank leave its group. The cell stays switching.
+                self.sessions.drain_ended(data.cell_id)
+            case CellReleased():
+                # The old role holds nothing on the cell any more (without a cell.drained, the agent stopped the
+                # process: a drain timeout, or it exited first). Its new role's processes take it from now, and it
+                # serves that role once its cell.ready says so; until then it stays switching (see snapshot()).
                 self.sessions.drain_ended(data.cell_id)
             case CellReady():
                 cell = self._cell(data.cell_id)
@@ -201,7 +213,11 @@ class RunView:
                     for cell in self.cells.values():
                         self._serves(cell, None, at)
             case WeightsLoaded():
-                self._serves(self._cell(data.cell_id), data.version, at)
+                cell = self._cell(data.cell_id)
+                # A rollout worker standing by on a train cell serves nothing; from its cell's order into rollout
+                # on (its wake, after cell.released), what it loaded is what the cell serves.
+                if cell.role is Role.ROLLOUT:
+                    self._serves(cell, data.version, at)
             case _:
                 return False  # anything else changes nothing the policies see
         return True

@@ -15,6 +15,7 @@ from services.scheduler.run_view import RunView
 from shared.events import (
     BatchReady,
     CellAssigned,
+    CellDrained,
     CellDraining,
     CellReady,
     CellReleased,
@@ -238,6 +239,59 @@ def test_elastic_never_sends_a_cell_holding_a_session_to_training_while_another_
     actions = policy.decide(snap)
     apply_actions(snap, actions, allow_parking=False)  # raises if a cell with a session is ordered to train
     assert AssignCell("b", Role.TRAIN) not in actions
+
+
+def test_a_warm_switch_makes_the_cell_serve_its_new_role_only_from_cell_ready_whatever_its_processes_said_before(
+) -> None:
+    """Both directions as a warm cell reports them: from the order to cell.ready the cell is switching in its new
+    role (no policy places on it or orders it again), its old role lets go first (its sessions leave until the
+    drain ends; the trainer's cell.drained for a train cell moves none), and a worker's wake before cell.ready
+    says what it will serve, not that it serves."""
+    v, log = view(plan(queries_per_step=1, group_size=2), staleness=1), Log()
+    ready_cells(v, log, {"a": "rollout", "b": "rollout", "c": "train"})
+    policy = make_policy("elastic", budget_cells=3)
+
+    def decided(cell: str) -> list:
+        snap = v.snapshot(float(log.t))
+        actions = policy.decide(snap)
+        apply_actions(snap, actions, allow_parking=False)  # raises on an order to a switching cell
+        return [x for x in actions if (isinstance(x, AssignCell) and x.cell_id == cell)
+                or (isinstance(x, DispatchQuery) and cell in x.placements)]
+
+    def state(cell: str) -> tuple[Role, CellState]:
+        view_of = v.snapshot(0).cells_by_id()[cell]
+        return view_of.role, view_of.state
+
+    v.apply(log(v.plan.dispatch(0, policy_version=0, placements=("a", "b"))))
+    v.apply(log(WeightsPublished(version=1, step=0, weights=REF)))
+    v.apply(log(WeightsLoaded(cell_id="c", worker_id="c", version=1)))  # c's worker stands by: it serves nothing
+    assert v.cells["c"].served_version is None
+    # a: rollout -> train
+    v.apply(log(CellAssigned(cell_id="a", role="train", policy="elastic")))
+    v.apply(log(CellDraining(cell_id="a", from_role="rollout")))
+    assert state("a") == (Role.TRAIN, CellState.SWITCHING) and decided("a") == []
+    assert [(e.cell_id, e.migrating) for e in v.snapshot(0).live] == [("a", True), ("b", False)]
+    v.apply(log(KvMigrated(execution_id=eid(0, 0), from_cell="a", to_cell="b", tokens=8, bytes=80, seconds=0.5,
+                           method="kv")))
+    v.apply(log(drained("a", migrated=1)))
+    v.apply(log(CellReleased(cell_id="a", from_role="rollout", migrated_sessions=1, seconds=0.4)))
+    assert state("a") == (Role.TRAIN, CellState.SWITCHING) and decided("a") == []  # the rank is not in yet
+    v.apply(log(CellReady(cell_id="a", role="train", switch_seconds=2.0, warm=True, phases={"drain_s": 0.4})))
+    assert state("a") == (Role.TRAIN, CellState.ACTIVE)
+    # c: train -> rollout
+    v.apply(log(CellAssigned(cell_id="c", role="rollout", policy="elastic")))
+    v.apply(log(CellDraining(cell_id="c", from_role="train")))
+    v.apply(log(CellDrained(cell_id="c", worker_id="rank-c", migrated_sessions=0, parked_sessions=0, seconds=0.1,
+                            phases={"wait_step_s": 0.1})))
+    v.apply(log(CellReleased(cell_id="c", from_role="train", migrated_sessions=0, seconds=0.1)))
+    assert [(e.cell_id, e.migrating) for e in v.snapshot(0).live] == [("b", False), ("b", False)]
+    v.apply(log(WeightsLoaded(cell_id="c", worker_id="c", version=1, phases={"wake_s": 0.2})))  # the wake
+    assert state("c") == (Role.ROLLOUT, CellState.SWITCHING) and decided("c") == []
+    assert v.cells["c"].served_version == 1
+    v.apply(log(CellReady(cell_id="c", role="rollout", switch_seconds=1.0, policy_version=1, warm=True)))
+    assert state("c") == (Role.ROLLOUT, CellState.ACTIVE)
+    costs = v.snapshot(0).switch_costs
+    assert (costs.to_train_s, costs.to_rollout_s) == (2.0, 1.0)
 
 
 # ---- property: folding what a policy decides, and what the workers report, keeps the snapshot consistent ----
