@@ -62,7 +62,8 @@ def run_loop() -> int:
     console.rule("[bold]Gyre demo: the RL loop")
     console.print(
         "Starts NATS and PostgreSQL, creates the tiny model, and runs every service as its own process: "
-        "scheduler, cell agent (vLLM rollout worker), gateway, harness (sandboxes), trajectory, trainer, relay. "
+        "scheduler, cell agent (each cell a vLLM rollout worker or a trainer rank, the other standing by), "
+        "gateway, harness (sandboxes), trajectory, trainer coordinator, relay. "
         "First a supervised warm-start on an imperfect demonstrator's demonstrations of the shell-task family "
         "(it skips the work or runs a wrong command 70% of the time), then 30 RL steps of 2 queries × 8 "
         "executions on the held-out shipped tasks; the mean reward should climb as RL removes the slips. "

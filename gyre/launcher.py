@@ -84,9 +84,13 @@ def loop_environment(
         "GYRE_SCHEDULER_MIN_CELLS": str(cells),
         "GYRE_SCHEDULER_TICK_S": "0.5",
         "GYRE_CELL_COUNT": str(cells),
-        # Each cell's process serves health on base + index: a free block, so runs on one machine do not clash.
-        "GYRE_CELL_HEALTH_PORT_BASE": str(local.free_port_block(cells)),
-        "GYRE_CELL_TRAIN_COMMAND": "hold",
+        # A cell's rollout worker serves health on base + index and its trainer rank on base + cells + index: a
+        # free block, so runs on one machine do not clash. Train cells run trainer ranks (the cell agent's default).
+        "GYRE_CELL_HEALTH_PORT_BASE": str(local.free_port_block(2 * cells)),
+        # The elastic policy's hysteresis scaled to the tiny loop, whose steps take seconds, not minutes.
+        "GYRE_SCHEDULER_ELASTIC_MIN_DWELL_S": "10",
+        "GYRE_SCHEDULER_ELASTIC_TRAIN_HORIZON_S": "30",
+        "GYRE_SCHEDULER_ELASTIC_MARGIN": "1",
         "GYRE_CELL_LOG_DIR": str(run_dir / "logs" / "cells"),
         "GYRE_ROLLOUT_PORT": str(gateway_port),
         "GYRE_ROLLOUT_MODEL_NAME": "gyre-tiny",
@@ -286,6 +290,10 @@ def run(
     task_ids: Annotated[
         str, typer.Option(help="Comma-separated task ids to train on (default: the shipped shell-task family).")
     ] = "",
+    cells: Annotated[int, typer.Option(help="Cells on this machine; each runs a rollout worker or a trainer rank.")] = 2,
+    restart: Annotated[
+        bool, typer.Option("--restart", help="Switch cells by restarting their process (default: warm, both kept).")
+    ] = False,
 ) -> None:
     """Run the RL loop: infrastructure, tiny model, SFT warm-start, then RL with every service as a process."""
     if mode not in ("elastic", "async", "colocate"):
@@ -294,7 +302,7 @@ def run(
         raise typer.BadParameter(f"--slip-rate must be a fraction in [0, 1], got {slip_rate}")
     for name, value, least in (("--steps", steps, 1), ("--group-size", group_size, 1),
                                ("--queries-per-step", queries_per_step, 1), ("--max-staleness", max_staleness, 0),
-                               ("--sft-steps", sft_steps, 0)):
+                               ("--sft-steps", sft_steps, 0), ("--cells", cells, 2)):
         if value < least:
             raise typer.BadParameter(f"{name} must be at least {least}, got {value}")
     if lr <= 0 or timeout_s <= 0:
@@ -313,15 +321,16 @@ def run(
     run_id = new_run_id()
     run_dir = Path("runs") / run_id
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    console.print(f"[bold]run {run_id}[/] — mode {mode}, {steps} steps, G={group_size}, staleness {max_staleness}")
+    console.print(f"[bold]run {run_id}[/] — mode {mode}, {cells} cells, {steps} steps, G={group_size}, "
+                  f"staleness {max_staleness}")
     from gyre.tinymodel import create_tiny_model
 
     model_dir = create_tiny_model(run_dir / "model", seed=seed, size="tiny")
     env = loop_environment(
         run_id=run_id, nats_url=endpoints.nats_url, database_url=endpoints.database_url, model_dir=model_dir,
         run_dir=run_dir, mode=mode, steps=steps, group_size=group_size, max_staleness=max_staleness, seed=seed,
-        task_ids=chosen, gateway_port=local.free_port(),
-        extra={"GYRE_SCHEDULER_QUERIES_PER_STEP": str(queries_per_step), "GYRE_TRAINER_LR": str(lr),
+        task_ids=chosen, gateway_port=local.free_port(), cells=cells,
+        extra={"GYRE_CELL_WARM": "false" if restart else "true","GYRE_SCHEDULER_QUERIES_PER_STEP": str(queries_per_step), "GYRE_TRAINER_LR": str(lr),
                "GYRE_HARNESS_TASKS_DIR": str(tasks_dir)},
     )
     procs = service_processes(sys.executable)

@@ -46,8 +46,8 @@ class Proc:
 def service_processes(python: str) -> list[Proc]:
     """Every long-running process of a run, in start order (the same entry points compose.yaml runs).
 
-    The cell agent starts the rollout workers on its cells; the trainer runs as one process for the
-    run, so train cells only hold their place (`GYRE_CELL_TRAIN_COMMAND=hold`).
+    The cell agent starts a rollout worker or a trainer rank on each of its cells, as the scheduler orders;
+    the trainer process is the coordinator of the ranks (it holds no model).
     """
     return [
         Proc("relay", [python, "-m", "shared.relay"]),

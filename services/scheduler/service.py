@@ -22,6 +22,7 @@ from services.scheduler.policies import (
     AssignCell,
     DispatchQuery,
     DrainCell,
+    ElasticTiming,
     MigrateSession,
     Policy,
     PolicyConfigError,
@@ -71,6 +72,10 @@ class SchedulerSettings(BaseSettings):
     # stopped for training (vLLM on CPU has no sleep mode) cannot hold them, and their calls would fail
     # while the pool trains; so live colocate runs synchronously unless asked (the simulator parks).
     colocate_run_ahead: bool = False
+    # The elastic policy's hysteresis (policies/elastic.py, ElasticTiming): the defaults suit steps of minutes.
+    elastic_min_dwell_s: float = Field(default=300.0, ge=0)
+    elastic_train_horizon_s: float = Field(default=1_200.0, gt=0)
+    elastic_margin: int = Field(default=2, ge=0)
 
     @field_validator("task_ids", mode="before")
     @classmethod
@@ -186,6 +191,11 @@ class SchedulerService(Service):
                 rollout_cells=self.sched.rollout_cells or None,
                 fill=self.sched.fill,
                 colocate_run_ahead=self.sched.colocate_run_ahead,
+                elastic_timing=ElasticTiming(
+                    train_horizon_s=self.sched.elastic_train_horizon_s,
+                    min_dwell_s=self.sched.elastic_min_dwell_s,
+                    margin=self.sched.elastic_margin,
+                ),
             )
         return self._policies[budget_cells]
 

@@ -81,7 +81,10 @@ def test_every_service_command_starts_and_passes_its_health_check(store, bus, in
                 "GYRE_ROLLOUT_PORT": str(free_port()),
                 "GYRE_HARNESS_WORK_DIR": str(tmp_path / "executions"),
                 "GYRE_TRAINER_CHECKPOINT_DIR": str(tmp_path / "checkpoints"),
-                "GYRE_CELL_ROLLOUT_COMMAND": "hold",  # no engine here: the cells only hold their roles
+                # This test checks that every service of compose.yaml starts healthy and stops cleanly; the run
+                # trains nothing (TOTAL_STEPS=0), so the cells hold their roles with the placeholder rather than
+                # start a vLLM engine and a torch rank each (tests/e2e trains on real ones).
+                "GYRE_CELL_ROLLOUT_COMMAND": "hold",
                 "GYRE_CELL_TRAIN_COMMAND": "hold",
                 "GYRE_CELL_LOG_DIR": str(tmp_path / "cells"),
                 "GYRE_SCHEDULER_TOTAL_STEPS": "0",

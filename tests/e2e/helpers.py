@@ -11,14 +11,15 @@ from tests.conftest import Infra
 
 
 def loop_test_environment(
-    store, bus, infra: Infra, tmp_path: Path, *, run_id: str, steps: int, group_size: int, task_ids: list[str]
+    store, bus, infra: Infra, tmp_path: Path, *, run_id: str, steps: int, group_size: int, task_ids: list[str],
+    mode: str = "async", cells: int = 2, extra: dict[str, str] | None = None,
 ) -> dict[str, str]:
-    """Every process's environment for a short async run of the untrained tiny model."""
+    """Every process's environment for a short run of the untrained tiny model (async on two cells unless told)."""
     model_dir = create_tiny_model(tmp_path / "model", seed=0, size="tiny")
     return loop_environment(
         run_id=run_id, nats_url=infra.nats_url, database_url=infra.database_url, model_dir=model_dir,
-        run_dir=tmp_path, mode="async", steps=steps, group_size=group_size, max_staleness=1, seed=0,
-        task_ids=task_ids, gateway_port=free_port(),
+        run_dir=tmp_path, mode=mode, steps=steps, group_size=group_size, max_staleness=1, seed=0,
+        task_ids=task_ids, gateway_port=free_port(), cells=cells,
         extra={
             "GYRE_DB_SCHEMA": store.schema,
             "GYRE_SUBJECT_PREFIX": bus.prefix,
@@ -28,5 +29,6 @@ def loop_test_environment(
             "GYRE_HARNESS_MAX_TOKENS": "48",
             "GYRE_ROLLOUT_MAX_MODEL_LEN": "8192",
             "GYRE_ACK_WAIT_S": "5",  # what a killed service held comes back within seconds, not half a minute
+            **(extra or {}),
         },
     )

@@ -101,7 +101,7 @@ def test_each_run_gets_its_own_block_of_cell_ports(tmp_path: Path) -> None:
     )
     assert env["GYRE_CELL_COUNT"] == "2"
     block = int(env["GYRE_CELL_HEALTH_PORT_BASE"])
-    for port in range(block, block + 2):  # the block the cells will serve on is free
+    for port in range(block, block + 4):  # the block the cells will serve on (worker and rank each) is free
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
 

@@ -14,6 +14,7 @@ from services.scheduler.policies import (
     ColocatePolicy,
     DispatchQuery,
     ElasticPolicy,
+    ElasticTiming,
     LiveExecution,
     MigrateSession,
     Outcome,
@@ -210,6 +211,20 @@ def test_elastic_does_not_move_a_cell_inside_its_dwell_time() -> None:
     s = snap(cells, live, backlog=10**7, complete=True, now=10_000.0)
     outcome = apply_actions(s, ElasticPolicy().decide(s), allow_parking=False)
     assert outcome.roles["c1"] is Role.ROLLOUT
+
+
+def test_elastic_timing_scales_the_dwell_to_the_run() -> None:
+    """The same cell, 10 s in its role: the default dwell (minutes) keeps it; a run of seconds-long steps
+    (`GYRE_SCHEDULER_ELASTIC_MIN_DWELL_S`, as `gyre run` sets it) moves it."""
+    fresh = CellView("c1", Role.ROLLOUT, CellState.ACTIVE, RESERVE * 4, role_since_s=9_990.0)
+    cells = [cell(0, Role.ROLLOUT, slots=8), fresh, cell(2, Role.TRAIN)]
+    live = [session(0, "c0", batch=1), session(1, "c0", batch=1), session(2, "c0", batch=1), session(3, "c1", batch=1)]
+    s = snap(cells, live, backlog=10**7, complete=True, now=10_000.0)
+    assert apply_actions(s, ElasticPolicy().decide(s), allow_parking=False).roles["c1"] is Role.ROLLOUT
+    scaled = make_policy("elastic", budget_cells=3, elastic_timing=ElasticTiming(min_dwell_s=5.0))
+    assert isinstance(scaled, ElasticPolicy) and scaled.min_dwell_s == 5.0
+    outcome = apply_actions(s, scaled.decide(s), allow_parking=False)
+    assert outcome.roles["c1"] is Role.TRAIN
 
 
 def test_elastic_skips_a_consolidation_that_costs_more_than_it_buys() -> None:

@@ -13,7 +13,7 @@ from services.scheduler.policies.actions import (
     apply_actions,
 )
 from services.scheduler.policies.base import Policy
-from services.scheduler.policies.elastic import ElasticPolicy
+from services.scheduler.policies.elastic import ElasticPolicy, ElasticTiming
 from services.scheduler.policies.fixed import AsyncPolicy, ColocatePolicy, PolicyConfigError
 from services.scheduler.policies.snapshot import (
     CellState,
@@ -37,11 +37,15 @@ def make_policy(
     rollout_cells: int | None = None,
     fill: float = 0.9,
     colocate_run_ahead: bool = True,
+    elastic_timing: ElasticTiming | None = None,
 ) -> Policy:
-    """Build a policy by name; `rollout_cells` sizes async's fixed rollout pool (default: half)."""
+    """Build a policy by name; `rollout_cells` sizes async's fixed rollout pool (default: half);
+    `elastic_timing` overrides the elastic policy's time constants (the defaults suit hour-long rollouts)."""
     match name:
         case "elastic":
-            return ElasticPolicy(fill=fill, pack_fill=fill)
+            timing = elastic_timing or ElasticTiming()
+            return ElasticPolicy(fill=fill, pack_fill=fill, train_horizon_s=timing.train_horizon_s,
+                                 min_dwell_s=timing.min_dwell_s, margin=timing.margin)
         case "async":
             return AsyncPolicy(rollout_cells=rollout_cells or max(1, budget_cells // 2), fill=fill)
         case "colocate":
@@ -60,6 +64,7 @@ __all__ = [
     "DispatchQuery",
     "DrainCell",
     "ElasticPolicy",
+    "ElasticTiming",
     "FinishedExecution",
     "LiveExecution",
     "MigrateSession",

@@ -14,6 +14,21 @@ from shared.cells import Role
 
 
 @dataclass(frozen=True, slots=True)
+class ElasticTiming:
+    """The elastic policy's hysteresis, in the run's own time scale.
+
+    The defaults suit the workloads Gyre is for (executions of minutes to hours, steps of minutes): a cell
+    stays in a role at least `min_dwell_s`, the train pool is sized to clear its backlog within
+    `train_horizon_s`, and it shrinks only when `margin` cells above that. A run whose steps take seconds
+    (the tiny model of `gyre run`) scales them down, or no cell would ever move within it.
+    """
+
+    train_horizon_s: float = 1_200.0
+    min_dwell_s: float = 300.0
+    margin: int = 2
+
+
+@dataclass(frozen=True, slots=True)
 class ElasticPolicy:
     """Demand-driven roles, decided afresh from every snapshot.
 
