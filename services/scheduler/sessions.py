@@ -44,6 +44,9 @@ class Session:
     # (a call in flight when it moved, at most one per chain): such a record changes its context, not its cell.
     left_cell: str | None = None
     left_until: int = -1
+    # A move the worker refused (it held no session of the execution yet, say: placed, no call made) is not
+    # ordered again until the session's next call: the policies see it as migrating (not movable) until then.
+    refused_at_call: int | None = None
 
     def context_tokens(self) -> int:
         return sum(tokens for _, tokens in self.chain_tokens.values())
@@ -56,7 +59,10 @@ class LiveSessions:
     A session is named by `shared.events.execution_id_for` from its dispatch on (the harness names executions
     by the same rule; `execution.started` confirms the id). A move the scheduler ordered
     (`kv.migration_ordered`) shows the session migrating onto its target until the worker reports it moved
-    (`kv.migrated`) or refused (`kv.migration_refused`), or for `migration_timeout_s`.
+    (`kv.migrated`) or refused (`kv.migration_refused`), or for `migration_timeout_s`. A refused session stays
+    where it is, shown migrating (not to be moved) until its next call: the worker refused for a reason that
+    holds until then (most often it had no session of the execution yet), and ordering it again every tick
+    only repeats the refusal.
     """
 
     migration_timeout_s: float = 300.0
@@ -109,6 +115,8 @@ class LiveSessions:
         if latest is None or data.call_index >= latest[0]:
             session.chain_tokens[data.chain_id] = (data.call_index, data.prompt_tokens + data.completion_tokens)
         session.last_call_index = max(session.last_call_index, data.call_index)
+        if session.refused_at_call is not None and data.call_index > session.refused_at_call:
+            session.refused_at_call = None
         # Recorded by the gateway, while kv.migrated comes from the worker: the last call a cell served can land
         # after the session moved off it. A cell that left rollout holds none.
         if not by_rollout_cell:
@@ -127,6 +135,7 @@ class LiveSessions:
         session = self.get(data.execution_id)
         if session is not None and session.moving_to == data.to_cell:
             session.moving_to = None
+            session.refused_at_call = session.last_call_index
 
     def migrated(self, data: KvMigrated) -> None:
         """The worker moved the session (an ordered move, or a drain's own choice of target)."""
@@ -170,7 +179,7 @@ class LiveSessions:
             context = s.context_tokens()
             # The KV a worker holds for a session is its context: every chain's latest prompt and completion.
             views.append(LiveExecution(s.execution_id, s.query_id, cell_id, context, context, s.dispatch_version,
-                                       s.step, ordered or s.leaving))
+                                       s.step, ordered or s.leaving or s.refused_at_call is not None))
         return tuple(views)
 
     def unplaced(self) -> int:

@@ -214,9 +214,12 @@ def test_a_refused_move_is_settled_at_once_and_late_records_move_nothing_only_fo
     e = eid(0, 0)
     v.apply(log(KvMigrationOrdered(execution_id=e, from_cell="c0", to_cell="c1", policy="elastic")))
     v.apply(log(KvMigrationRefused(execution_id=e, from_cell="c0", to_cell="c1", reason="no session here")))
-    assert where(v)[e] == ("c0", False)
+    # Settled at once: it stays on c0, held from the policies (shown migrating) until its next call, so the
+    # refused move is not ordered again every tick.
+    assert where(v)[e] == ("c0", True)
     for i in range(3):
         v.apply(log(call(e, "c0", i, prompt=10 + i, completion=1)))
+    assert where(v)[e] == ("c0", False)  # its calls free it for the policies again
     v.apply(log(KvMigrated(execution_id=e, from_cell="c0", to_cell="c2", tokens=14, bytes=0, seconds=0.5,
                            method="recompute")))
     v.apply(log(call(e, "c0", 3, prompt=20, completion=1)))  # in flight when it moved, recorded after
