@@ -11,6 +11,8 @@ import os
 import shutil
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -40,6 +42,16 @@ class DistributedError(Exception):
 
 class CheckpointError(DistributedError):
     pass
+
+
+@contextmanager
+def _checkpoint_failures(what: str, path: Path) -> Iterator[None]:
+    """DCP's failures as a `CheckpointError`: its own `CheckpointException` is a BaseException, which handlers that
+    catch `Exception` (a rank's verb, the runtime's) would let through, ending the task that ran it unanswered."""
+    try:
+        yield
+    except dcp.CheckpointException as exc:
+        raise CheckpointError(f"{what} {path} failed: {exc}") from exc
 
 
 # ------------------------------------------------------------------------------------------------
@@ -79,6 +91,9 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+_groups_joined = 0  # process groups this process has joined (each one's mesh is named apart)
+
+
 def init_group(spec: GroupSpec, store: dist.Store | None = None) -> DeviceMesh:
     """Join (or re-join after `leave_group`) the trainer's process group; returns a 1-D mesh over it.
 
@@ -101,7 +116,14 @@ def init_group(spec: GroupSpec, store: dist.Store | None = None) -> DeviceMesh:
         timeout=timedelta(seconds=spec.timeout_s),
         **rendezvous,
     )
-    return init_device_mesh(device.type, (spec.world_size,), mesh_dim_names=("fsdp",))
+    # A mesh of its own name each time: DeviceMesh equality ignores which rank this process is, and DTensor caches
+    # its sharding decisions (output specs holding the mesh they were made with) by that equality. A process that
+    # was rank 0 of a two-rank group and is rank 1 of a later one would otherwise get the earlier group's mesh back
+    # from the cache, with its coordinate: its shards' offsets come out as rank 0's, and the checkpoint it saves
+    # or loads covers half of each tensor twice.
+    global _groups_joined
+    _groups_joined += 1
+    return init_device_mesh(device.type, (spec.world_size,), mesh_dim_names=(f"fsdp{_groups_joined}",))
 
 
 def group_store(host: str, port: int, generation: int, timeout_s: float) -> dist.Store:
@@ -117,6 +139,18 @@ def leave_group(*, barrier: bool = True) -> None:
         if barrier:
             dist.barrier()
         dist.destroy_process_group()
+    _forget_sharding_decisions()
+
+
+def _forget_sharding_decisions() -> None:
+    """Drop DTensor's cached sharding decisions, which hold the meshes of groups this process has left (correctness
+    does not depend on it, each group's mesh being named apart; a rank re-formed many times would keep them all)."""
+    from torch.distributed.tensor import DTensor
+
+    propagator = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
+    clear = getattr(getattr(propagator, "propagate_op_sharding", None), "cache_clear", None)
+    if callable(clear):
+        clear()  # per thread: the thread that trains is the one that leaves
 
 
 # ------------------------------------------------------------------------------------------------
@@ -257,9 +291,11 @@ def save_checkpoint(
     with_optimizer = bool(optimizer.state)
     if with_optimizer:
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+        with _checkpoint_failures("saving", path):
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
     else:
-        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(path))
+        with _checkpoint_failures("saving", path):
+            dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(path))
     dist.barrier()
     if dist.get_rank() == 0:
         state = {**trainer_state, "step": step, "world_size": dist.get_world_size(), "optimizer": with_optimizer}
@@ -282,12 +318,14 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     state = read_trainer_state(path)
     if not state.get("optimizer", True):  # saved before the first step: a fresh optimiser, as then
         model_sd = get_model_state_dict(model)
-        dcp.load({"model": model_sd}, checkpoint_id=str(path))
+        with _checkpoint_failures("loading", path):
+            dcp.load({"model": model_sd}, checkpoint_id=str(path))
         set_model_state_dict(model, model_sd)
         optimizer.state.clear()
         return state
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+    with _checkpoint_failures("loading", path):
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     return state
 
