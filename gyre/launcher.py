@@ -90,7 +90,7 @@ def loop_environment(
         # The elastic policy's hysteresis scaled to the tiny loop, whose steps take seconds, not minutes.
         "GYRE_SCHEDULER_ELASTIC_MIN_DWELL_S": "10",
         "GYRE_SCHEDULER_ELASTIC_TRAIN_HORIZON_S": "30",
-        "GYRE_SCHEDULER_ELASTIC_MARGIN": "1",
+        "GYRE_SCHEDULER_ELASTIC_MARGIN": "0",
         "GYRE_CELL_LOG_DIR": str(run_dir / "logs" / "cells"),
         "GYRE_ROLLOUT_PORT": str(gateway_port),
         "GYRE_ROLLOUT_MODEL_NAME": "gyre-tiny",

@@ -32,7 +32,9 @@ async def test_an_elastic_run_on_three_cells_moves_cells_both_ways_and_trains_on
     run_id = unique("elastic-")
     env = loop_test_environment(
         store, bus, infra, tmp_path, run_id=run_id, steps=STEPS, group_size=GROUP, task_ids=["create-file-1"],
-        mode="elastic", cells=CELLS, extra={"GYRE_SCHEDULER_QUERIES_PER_STEP": "1"},
+        mode="elastic", cells=CELLS,
+        # A short run: cells may leave a role after 3 s (gyre run: 10 s), so a few steps see moves both ways.
+        extra={"GYRE_SCHEDULER_QUERIES_PER_STEP": "1", "GYRE_SCHEDULER_ELASTIC_MIN_DWELL_S": "3"},
     )
     procs = service_processes(sys.executable)
     try:
