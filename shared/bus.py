@@ -279,7 +279,11 @@ class Bus:
         async def on_msg(msg: Msg) -> None:
             try:
                 reply = await handler(msg.data)
-            except Exception as exc:  # the requester must get an answer, not a timeout
+            except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as exc:  # the requester must get an answer, not a timeout
+                # BaseException: some libraries raise their failures as one (torch's DCP), and one escaping here
+                # would end the subscription's task, leaving every later request on the subject unanswered.
                 log.exception("request_handler_failed", subject=msg.subject)
                 reply = b'{"error":' + _json_str(f"{type(exc).__name__}: {exc}") + b"}"
             await msg.respond(reply)

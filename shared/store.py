@@ -362,6 +362,11 @@ class EventStore:
                 await conn.execute(stmt)
 
 
+def processed_check_name(schema: str | None) -> str:
+    """The `application_name` of a store's processed-check connection (its schema's, in pg_stat_activity)."""
+    return f"gyre-processed-check:{schema or 'public'}"[:63]
+
+
 class _TrackingReader:
     """`is_processed` on an autocommit connection of its own: every handled event asks it first, and a pooled
     checkout (with its pre-ping round trip) and a compiled SQLAlchemy select cost ten times the query's CPU
@@ -369,7 +374,8 @@ class _TrackingReader:
     opened again once."""
 
     def __init__(self, store: EventStore) -> None:
-        self._own = OwnConnection(store.dsn(), store.schema, autocommit=True)
+        self._own = OwnConnection(store.dsn(), store.schema, autocommit=True,
+                                  application_name=processed_check_name(store.schema))
         self._lock = asyncio.Lock()
 
     async def is_processed(self, consumer: str, event_id: uuid.UUID) -> bool:
@@ -431,5 +437,6 @@ __all__ = [
     "Transaction",
     "async_url",
     "notify_channel",
+    "processed_check_name",
     "run_migrations",
 ]

@@ -300,12 +300,21 @@ async def test_request_reply(nbus: Bus):
     async def broken(data: bytes) -> bytes:
         raise RuntimeError("worker fell over")
 
-    sub = await nbus.serve(f"{nbus.prefix}.rpc.echo", echo)
-    sub2 = await nbus.serve(f"{nbus.prefix}.rpc.broken", broken)
+    class Outside(BaseException):  # as torch's CheckpointException is
+        pass
+
+    async def outside(data: bytes) -> bytes:
+        raise Outside("not an Exception")
+
+    subs = [await nbus.serve(f"{nbus.prefix}.rpc.{name}", fn)
+            for name, fn in (("echo", echo), ("broken", broken), ("outside", outside))]
     assert await nbus.request(f"{nbus.prefix}.rpc.echo", b"abc", timeout=5) == b"cba"
     assert b"worker fell over" in await nbus.request(f"{nbus.prefix}.rpc.broken", b"x", timeout=5)
-    await sub.unsubscribe()
-    await sub2.unsubscribe()
+    # A BaseException is answered too, and the subject keeps answering after it.
+    for _ in range(2):
+        assert b"not an Exception" in await nbus.request(f"{nbus.prefix}.rpc.outside", b"x", timeout=5)
+    for sub in subs:
+        await sub.unsubscribe()
 
 
 async def test_object_store_round_trip_is_digest_checked(nbus: Bus):

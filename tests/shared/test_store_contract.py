@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from shared.events import CellAssigned, Event, new_event
 from shared.blobs import blob_ref
 from shared.grouped_append import GROUPED_APPENDER_NAME, GroupedAppender
-from shared.store import ConcurrencyConflict, DuplicateEvent, EventStore, StoreError
+from shared.store import ConcurrencyConflict, DuplicateEvent, EventStore, StoreError, processed_check_name
 from tests.conftest import drop_store, make_store
 from tests.shared.helpers import assigned
 
@@ -101,11 +101,11 @@ async def test_the_processed_check_survives_losing_its_connection(es: EventStore
     async with es.transaction() as tx:
         await tx.mark_processed("svc", event.event_id)
     assert await es.is_processed("svc", event.event_id)
-    async with es.engine.connect() as conn:
+    async with es.engine.connect() as conn:  # this store's check only: other stores may share the database
         killed = (await conn.execute(sa.text(
             "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = current_database() "
-            "AND pid <> pg_backend_pid() AND query LIKE 'SELECT 1 FROM tracking%'"
-        ))).scalar()
+            "AND pid <> pg_backend_pid() AND application_name = :name"
+        ), {"name": processed_check_name(es.schema)})).scalar()
     assert killed == 1
     assert await es.is_processed("svc", event.event_id)
     assert not await es.is_processed("svc", assigned("cell-b", 1).event_id)
