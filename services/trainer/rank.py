@@ -31,7 +31,7 @@ from services.trainer.protocol import (
     REQUESTS,
     rank_subject,
 )
-from services.trainer.rank_work import RankWork, RankWorkError
+from services.trainer.rank_work import RankWork
 from services.trainer.weights import WEIGHTS_MEDIA_TYPE
 from shared.events import RankReady, stream_id_for
 from shared.logging import configure_logging
@@ -158,12 +158,6 @@ class RankService(Service):
             self.busy = verb
             try:
                 return fn(*args)
-            except (KeyboardInterrupt, SystemExit):
-                raise
-            except BaseException as exc:
-                # Torch raises some failures as BaseExceptions (DCP's CheckpointException): one reaching the verb's
-                # handler would end its subscription's task unanswered, and the coordinator would wait for ever.
-                raise RankWorkError(f"{verb} failed: {type(exc).__name__}: {exc}") from exc
             finally:
                 self.busy = None
 
