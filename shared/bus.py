@@ -27,6 +27,7 @@ from shared.objects import ObjectDigestMismatch, ObjectFetchTimeout, ObjectStore
 
 FAMILIES: tuple[str, ...] = tuple(sorted({t.split(".", 1)[0] for t in REGISTRY}))
 DLQ_REASON = "Gyre-Dlq-Reason"
+KV_OBJECT_TTL_S = 3600.0  # a migrated KV cache waits at most this long for its target
 DLQ_SUBJECT = "Gyre-Dlq-Subject"
 DLQ_DELIVERIES = "Gyre-Dlq-Deliveries"
 
@@ -52,6 +53,8 @@ class Bus:
         self.duplicate_window_s = duplicate_window_s
         self._stream_prefix = re.sub(r"[^A-Za-z0-9_-]", "_", prefix).upper()
         self.objects = ObjectStore(js, f"{self._stream_prefix}-blobs".lower())
+        # KV caches between rollout workers: only in transit, so a bucket whose objects expire.
+        self.kv_objects = ObjectStore(js, f"{self._stream_prefix}-kv".lower(), ttl_s=KV_OBJECT_TTL_S)
         self._acks_subject: str | None = None
         self._pending_acks: dict[str, _PendingAcks] = {}
 

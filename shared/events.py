@@ -185,6 +185,10 @@ class CellReady(_Extended):
 
 @register
 class KvMigrated(EventData):
+    """One live session moved cell to cell: by its KV (`tokens`: prompt tokens the target took from the moved
+    KV rather than prefill again) or by recompute (`tokens`: the history the target prefilled). A move that
+    tried KV and recomputed says why in `fallback` (digest mismatch, target full, another model or policy...)."""
+
     TYPE: ClassVar[str] = "kv.migrated"
     execution_id: str
     from_cell: str
@@ -193,6 +197,7 @@ class KvMigrated(EventData):
     bytes: int = Field(ge=0)
     seconds: float = Field(ge=0)
     method: Literal["kv", "recompute"]
+    fallback: str = ""
 
 
 @register

@@ -11,6 +11,7 @@ from typing import Any
 
 import nats.js.errors
 from nats.js import JetStreamContext
+from nats.js.api import ObjectStoreConfig
 
 from shared.blobs import DEFAULT_MEDIA_TYPE, BlobCorrupted, BlobLocation, BlobNotFound, blob_ref
 from shared.events import BlobRef
@@ -34,11 +35,13 @@ class ObjectFetchTimeout(ObjectStoreError):
 
 
 class ObjectStore:
-    """One bucket of the JetStream Object Store, created on first use."""
+    """One bucket of the JetStream Object Store, created on first use; with `ttl_s`, objects the server forgets
+    after that long (what is only in transit, so a writer that died leaves nothing behind for good)."""
 
-    def __init__(self, js: JetStreamContext, bucket: str) -> None:
+    def __init__(self, js: JetStreamContext, bucket: str, *, ttl_s: float | None = None) -> None:
         self.js = js
         self.bucket = bucket
+        self.ttl_s = ttl_s
         self._object_store: Any = None
 
     async def _objects(self) -> Any:
@@ -46,7 +49,8 @@ class ObjectStore:
             try:
                 self._object_store = await self.js.object_store(self.bucket)
             except nats.js.errors.BucketNotFoundError:
-                self._object_store = await self.js.create_object_store(self.bucket)
+                config = ObjectStoreConfig(bucket=self.bucket, ttl=self.ttl_s)
+                self._object_store = await self.js.create_object_store(self.bucket, config=config)
         return self._object_store
 
     async def put_object(self, data: bytes, *, name: str | None = None) -> str:
@@ -94,6 +98,15 @@ class ObjectStore:
         if expected and digest_of(data) != expected.replace("-", ":", 1):
             raise ObjectDigestMismatch(name, expected, digest_of(data))
         return data
+
+    async def delete_object(self, name_or_digest: str) -> bool:
+        """Remove an object; False when there was none."""
+        store = await self._objects()
+        try:
+            await store.delete(name_or_digest.replace(":", "-"))
+        except nats.js.errors.NotFoundError:
+            return False
+        return True
 
 
 class ObjectBlobStore:

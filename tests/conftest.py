@@ -102,10 +102,11 @@ async def make_bus(nats_url: str) -> Bus:
 async def drop_bus(bus: Bus) -> None:
     if bus.nc.is_connected:
         await bus.delete_streams()
-        try:
-            await bus.js.delete_object_store(f"{bus._stream_prefix}-blobs".lower())
-        except Exception:
-            pass
+        for objects in (bus.objects, bus.kv_objects):
+            try:
+                await bus.js.delete_object_store(objects.bucket)
+            except Exception:
+                pass
     await bus.close()
 
 

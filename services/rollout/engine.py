@@ -25,7 +25,9 @@ class VllmConfig:
     max_model_len: int = 8192
     dtype: str = "float32"  # fp32 on CPU keeps logprobs equal to transformers (~5e-7)
     seed: int = 0
-    kv_storage: Path | None = None  # shared folder for KV migration between workers (None: recompute only)
+    # This worker's own folder for the KV connector's files of sessions in transit (saved before a move, loaded
+    # after one); shared with no other worker: the KV transport carries them. None: migrate by recompute only.
+    kv_storage: Path | None = None
     gpu_memory_utilization: float = 0.5
     max_num_seqs: int = 64
     # vLLM's sleep mode (level 1: weights to host memory, KV cache freed). None: where the platform has it (CUDA,
@@ -60,6 +62,26 @@ def prepare_cpu_environment(work_dir: Path) -> None:
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 
+def kv_fingerprint(vllm_config: Any, block_size: int) -> str:
+    """The identity KV must share to be loaded: the model's architecture (its config), the served dtype, the KV
+    cache's dtype and block size, and the names and sizes of the weight files (another checkpoint of the same
+    architecture differs there). Paths are left out: the same model sits at different paths on different nodes."""
+    import hashlib
+    import json
+
+    model = vllm_config.model_config
+    weights = sorted((f.name, f.stat().st_size) for f in Path(model.model).glob("*.safetensors")) \
+        if Path(model.model).is_dir() else []
+    identity = {
+        "config": model.hf_config.to_dict(),
+        "dtype": str(model.dtype),
+        "kv_cache_dtype": str(vllm_config.cache_config.cache_dtype),
+        "block_size": block_size,
+        "weights": weights,
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
+
+
 class VllmEngine:
     """One vLLM AsyncLLM (its engine core runs in a child process)."""
 
@@ -70,6 +92,7 @@ class VllmEngine:
         self.max_model_len: int = int(vcfg.model_config.max_model_len)
         self.block_size: int = int(vcfg.cache_config.block_size)
         self.kv_transfer = config.kv_storage is not None
+        self.kv_fingerprint = kv_fingerprint(vcfg, self.block_size)
         self.sleep_mode = bool(vcfg.model_config.enable_sleep_mode)
         self.asleep = False
 
@@ -220,6 +243,47 @@ class VllmEngine:
         if folder is None or not folder.is_dir():
             return 0
         return sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+
+    def export_kv(self, prompt: list[int]) -> bytes:
+        """The KV a `kvsave-` request of `prompt` saved, as one bundle (kv_bundle.py); the files are removed.
+        KvBundleError when nothing was saved."""
+        from services.rollout.kv_bundle import KvBundleError, KvManifest, pack_bundle
+
+        folder = self._kv_folder(prompt)
+        if folder is None or not folder.is_dir():
+            raise KvBundleError("the engine saved no KV for the prompt")
+        try:
+            files = {f.name: f.read_bytes() for f in sorted(folder.iterdir()) if f.is_file()}
+        finally:
+            self.drop_kv(prompt)
+        if not files:
+            raise KvBundleError("the engine saved no KV for the prompt")
+        manifest = KvManifest(fingerprint=self.kv_fingerprint, folder=folder.name, prompt_tokens=len(prompt),
+                              files=tuple((name, len(data)) for name, data in files.items()))
+        return pack_bundle(manifest, files)
+
+    def import_kv(self, prompt: list[int], bundle: bytes) -> int:
+        """Place a bundle where this engine's next `kvload-` request of `prompt` finds it; returns its bytes.
+        KvBundleError when it is not whole, or was saved by another model or for another prompt."""
+        from services.rollout.kv_bundle import KvBundleError, unpack_bundle
+
+        manifest, files = unpack_bundle(bundle)
+        if manifest.fingerprint != self.kv_fingerprint:
+            raise KvBundleError(f"KV of another model ({manifest.fingerprint[:16]}…, this engine serves "
+                                f"{self.kv_fingerprint[:16]}…)")
+        folder = self._kv_folder(prompt)
+        if folder is None:
+            raise KvBundleError("this engine has no KV connector")
+        if manifest.folder != folder.name or manifest.prompt_tokens != len(prompt):
+            raise KvBundleError(f"KV saved for another prompt ({manifest.prompt_tokens} tokens, key "
+                                f"{manifest.folder[:12]}…; expected {len(prompt)}, {folder.name[:12]}…)")
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, data in files.items():
+            # Written aside and renamed: the connector never reads half a file.
+            part = folder / f".{name}.part"
+            part.write_bytes(data)
+            part.replace(folder / name)
+        return len(bundle)
 
     def drop_kv(self, prompt: list[int]) -> None:
         folder = self._kv_folder(prompt)

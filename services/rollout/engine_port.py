@@ -29,6 +29,7 @@ class Engine(Protocol):
     max_model_len: int
     block_size: int
     kv_transfer: bool  # whether a KV connector is configured (migration by KV is possible)
+    kv_fingerprint: str  # the model identity saved KV must share to be loaded here
 
     async def generate(self, prompt: list[int], sampling: SamplingSpec, request_id: str) -> EngineOutput: ...
 
@@ -51,6 +52,16 @@ class Engine(Protocol):
 
     def kv_bytes(self, prompt: list[int]) -> int:
         """Bytes the connector stored for this prompt's saved KV (0 when nothing is stored)."""
+        ...
+
+    def export_kv(self, prompt: list[int]) -> bytes:
+        """What a save request of `prompt` stored, as one bundle (kv_bundle.py), removed from the engine's folder;
+        KvBundleError when nothing was stored."""
+        ...
+
+    def import_kv(self, prompt: list[int], bundle: bytes) -> int:
+        """Stage a bundle for this engine's next load request of `prompt`; returns its bytes. KvBundleError when
+        the bundle is not whole or belongs to another model or prompt."""
         ...
 
     def drop_kv(self, prompt: list[int]) -> None: ...

@@ -96,24 +96,39 @@ class GenerateReply(_Frozen):
     policy_version: int = 0
 
 
+class KvTicket(_Frozen):
+    """Where a session's saved KV waits for its target (kv_transport.py) and what it must be when it arrives."""
+
+    transport: str  # the transport that carries it ("nats": an Object Store object)
+    object_name: str
+    digest: str  # of the whole bundle (kv_bundle.py)
+    bytes: int = Field(ge=0)
+    fingerprint: str  # the source engine's model identity: a target serving another model recomputes
+    prompt_tokens: int = Field(ge=1)  # the saved prompt's length (see kv_handoff.kv_prompt)
+
+
 class AdoptRequest(_Frozen):
-    """Sent by a draining worker to its target: take over a session, loading its KV when `method` is kv."""
+    """Sent by a draining worker to its target: take over a session, loading its KV when `kv` says where it is
+    (else, or when loading it fails, the target recomputes the history)."""
 
     execution_id: str
     chain_id: str
     history: TokenPayload
-    method: Literal["kv", "recompute"]
-    kv_prompt_len: int = Field(default=0, ge=0)  # the saved prefix's prompt length (see worker.kv_prompt)
+    kv: KvTicket | None = None
     from_worker: str
     # The policy that computed the saved KV: a target already on another version recomputes instead.
     policy_version: int = Field(default=0, ge=0)
+    # Why the source sends no KV although it tried (its export failed, no whole block to move): "" otherwise.
+    fallback: str = ""
 
 
 class AdoptReply(_Frozen):
     ok: bool
     detail: str = ""
     ended: bool = False  # refused because the execution has ended: the source drops the session
-    cached_tokens: int = 0
+    method: Literal["kv", "recompute"] = "recompute"  # how the target rebuilt the session's KV
+    fallback: str = ""  # why a move that tried KV recomputed instead ("" when it did not fall back)
+    cached_tokens: int = 0  # prompt tokens the target's prefill took from the moved KV (or its prefix cache)
     seconds: float = 0.0
 
 
@@ -131,6 +146,7 @@ class MigrationResult(_Frozen):
     bytes: int
     seconds: float
     cached_tokens: int
+    fallback: str = ""  # why a move that tried KV recomputed instead
 
 
 class DrainReply(_Frozen):

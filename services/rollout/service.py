@@ -12,13 +12,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import sys
 import time
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.rollout.lifecycle import (
@@ -31,6 +33,7 @@ from services.rollout.lifecycle import (
 )
 from services.rollout.protocol import DrainRequest
 from services.rollout.router import Router, WorkerDirectory
+from services.rollout.worker import KV_STAGING_BYTES
 from shared.cells import Role
 from shared.effects import Effects
 from shared.events import (
@@ -68,7 +71,13 @@ class RolloutSettings(BaseSettings):
     capacity: int = 64  # live sessions this worker accepts
     max_model_len: int = 8192
     dtype: str = "float32"
-    kv_storage: Path | None = None  # shared folder for KV migration; unset: migrate by recompute
+    # How a moved session's KV travels between workers: "nats" (the bus's Object Store: any node, nothing shared
+    # but NATS) or "none" (sessions move by recompute).
+    kv_transport: Literal["nats", "none"] = "nats"
+    # This worker's own folder for KV in transit (its engine's connector writes and reads it; no other worker
+    # does). Unset: `<state_dir>/kv/<worker_id>`.
+    kv_storage: Path | None = None
+    kv_staging_bytes: int = Field(default=KV_STAGING_BYTES, ge=0)  # KV received and not yet loaded, at most
     heartbeat_s: float = 1.0
     # Start in standby (engine loaded, warmed up and asleep; no `weights.loaded`) until the cell is released to
     # rollout: the cell agent's second, warm process on a cell that starts in another role.
@@ -111,7 +120,7 @@ class RolloutWorkerService(Service):
             VllmEngine,
             prepare_cpu_environment,
         )
-        from services.rollout.transport import NatsPeers, WorkerServer, watch_statuses
+        from services.rollout.transport import NatsKvTransport, NatsPeers, WorkerServer, watch_statuses
         from services.rollout.worker import RolloutWorker
 
         assert self.bus is not None and self.store is not None
@@ -120,20 +129,27 @@ class RolloutWorkerService(Service):
         r = self.rollout
         prepare_cpu_environment(Path(self.settings.state_dir) / "vllm")
         t0 = time.perf_counter()
+        worker_id = r.worker_id or r.cell_id
+        kv_storage = None
+        if r.kv_transport != "none":
+            kv_storage = r.kv_storage or Path(self.settings.state_dir) / "kv" / worker_id
+            shutil.rmtree(kv_storage, ignore_errors=True)  # what a dead process left in transit is no one's now
         self.engine = VllmEngine.start(
             VllmConfig(model=self.settings.model_dir, max_model_len=r.max_model_len, dtype=r.dtype,
-                       kv_storage=r.kv_storage, sleep_mode=r.sleep_mode)
+                       kv_storage=kv_storage, sleep_mode=r.sleep_mode)
         )
         directory = WorkerDirectory()
         self._watch = await watch_statuses(self.bus, directory)
         cell = r.cell_id
         self.worker = RolloutWorker(
             self.engine,
-            worker_id=r.worker_id or cell,
+            worker_id=worker_id,
             cell_id=cell,
             capacity=r.capacity,
             emit=self._emit_data,
             peers=NatsPeers(self.bus, directory),
+            kv_transport=NatsKvTransport(self.bus.kv_objects) if r.kv_transport == "nats" else None,
+            kv_staging_bytes=r.kv_staging_bytes,
         )
         t1 = time.perf_counter()
         await self._load_newest()

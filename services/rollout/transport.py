@@ -1,4 +1,5 @@
-"""NATS shell of the rollout data path: worker endpoints, the router's worker client, peers, status heartbeats.
+"""NATS shell of the rollout data path: worker endpoints, the router's worker client, peers, status heartbeats,
+and the KV transport (moved sessions' KV through the Object Store).
 
 Subjects (under the bus prefix): `rollout.worker.<id>.{generate,adopt,drain,end}` (request/reply) and
 `rollout.status` (each worker's heartbeat). Token arrays above `inline_limit` go through the object store.
@@ -9,12 +10,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 import nats.errors
+import nats.js.errors
 import numpy as np
 
+from services.rollout.kv_transport import KvTransferFailed
 from services.rollout.protocol import (
     AdoptReply,
     AdoptRequest,
@@ -23,6 +27,7 @@ from services.rollout.protocol import (
     EndSessions,
     GenerateReply,
     GenerateRequest,
+    KvTicket,
     TokenPayload,
     unpack,
 )
@@ -30,6 +35,8 @@ from services.rollout.router import WorkerDirectory, WorkerUnreachable
 from services.rollout.worker import RolloutWorker
 from shared.bus import Bus
 from shared.logging import get_logger
+from shared.objects import ObjectStore, ObjectStoreError
+from shared.tokens import digest_of
 from shared.worker_status import (
     WorkerStatus,
     ended_subject,
@@ -37,6 +44,9 @@ from shared.worker_status import (
     worker_subject,
 )
 
+# A KV object read that stops arriving for this long fails (its writer died, or the bucket lost it): the target
+# then recomputes rather than wait.
+KV_STALL_S = 10.0
 INLINE_LIMIT = 512 * 1024  # packed bytes; NATS's default max_payload is 1 MiB and base64 adds a third
 GENERATE_TIMEOUT_S = 900.0
 
@@ -128,6 +138,48 @@ class NatsPeers:
         body = request.model_copy(update={"history": payload}).model_dump_json().encode()
         data = await _request(self.bus, worker_subject(self.bus.prefix, target, "adopt"), body, GENERATE_TIMEOUT_S)
         return AdoptReply.model_validate(_reply_or_error(data))
+
+
+class NatsKvTransport:
+    """Bundles as Object Store objects under a fresh name each (two moves of equal KV never share one, so one
+    move's discard cannot take the other's), read back against the sender's digest."""
+
+    name = "nats"
+
+    def __init__(self, objects: ObjectStore, *, stall_s: float = KV_STALL_S) -> None:
+        self.objects = objects
+        self.stall_s = stall_s
+
+    async def send(self, bundle: bytes, *, fingerprint: str, prompt_tokens: int) -> KvTicket:
+        name = f"kv-{uuid.uuid4().hex}"
+        try:
+            await self.objects.put_object(bundle, name=name)
+        except (nats.errors.Error, ObjectStoreError) as exc:
+            raise KvTransferFailed(f"KV upload failed: {type(exc).__name__}: {exc}") from exc
+        return KvTicket(transport=self.name, object_name=name, digest=digest_of(bundle), bytes=len(bundle),
+                        fingerprint=fingerprint, prompt_tokens=prompt_tokens)
+
+    async def receive(self, ticket: KvTicket) -> bytes:
+        if ticket.transport != self.name:
+            raise KvTransferFailed(f"ticket for the {ticket.transport!r} transport, this worker uses {self.name!r}")
+        try:
+            data = await self.objects.get_object(ticket.object_name, expected_digest=ticket.digest,
+                                                 stall_s=self.stall_s)
+        except nats.js.errors.NotFoundError as exc:
+            raise KvTransferFailed(f"KV object {ticket.object_name} missing (its sender died or it expired)") from exc
+        except ObjectStoreError as exc:  # digest mismatch, or a read that stopped arriving
+            raise KvTransferFailed(f"KV object {ticket.object_name}: {exc}") from exc
+        except nats.errors.Error as exc:
+            raise KvTransferFailed(f"KV download failed: {type(exc).__name__}: {exc}") from exc
+        if len(data) != ticket.bytes:  # the digest matched, so only a ticket that lies about the size gets here
+            raise KvTransferFailed(f"KV object {ticket.object_name}: {len(data)} B, the ticket says {ticket.bytes}")
+        return data
+
+    async def discard(self, ticket: KvTicket) -> None:
+        try:
+            await self.objects.delete_object(ticket.object_name)
+        except nats.errors.Error:
+            pass  # the bucket's TTL removes it anyway
 
 
 async def watch_statuses(bus: Bus, directory: WorkerDirectory) -> Any:

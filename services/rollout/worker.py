@@ -15,12 +15,14 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from services.rollout.engine_port import Engine, EngineOutput
+from services.rollout.engine_port import Engine, EngineError, EngineOutput
+from services.rollout.kv_bundle import KvBundleError
 from services.rollout.kv_handoff import KV_LOAD_PREFIX, KV_SAVE_PREFIX, kv_prompt
+from services.rollout.kv_transport import KvTransferFailed, KvTransport
 from services.rollout.protocol import (
     AdoptReply,
     AdoptRequest,
@@ -28,6 +30,7 @@ from services.rollout.protocol import (
     DrainRequest,
     GenerateReply,
     GenerateRequest,
+    KvTicket,
     MigrationResult,
     SamplingSpec,
     TokenPayload,
@@ -45,6 +48,11 @@ Emit = Callable[[Sequence[EventData]], Awaitable[None]]
 ENDED_KEEP_S = 3600.0
 # Targets a migration tries before it gives the session up as failed (each refusal: the next least loaded).
 MIGRATION_TARGETS = 3
+# KV a worker holds for sessions it is adopting (received, not yet loaded into its engine) before it takes no
+# more: a target past it recomputes what it is offered instead.
+KV_STAGING_BYTES = 4 << 30
+# A migration's prefill: one greedy token, the point is the prefill (which leaves the prompt's KV cached).
+PREFILL_ONLY = SamplingSpec(max_tokens=1, temperature=0.0)
 
 
 class WorkerPeers(Protocol):
@@ -61,6 +69,11 @@ class PolicyChanged(Exception):
 
 class NoActivePeer(Exception):
     """No other active worker is there to take a session: it stays here (parked), which is no failure of a move."""
+
+
+class KvNotMoved(Exception):
+    """A session's KV could not move (not saved, not sent, not received whole, another model or policy, no room
+    on the target); the message is the reason its migration recomputes instead."""
 
 
 class WorkerStandingBy(Exception):
@@ -97,6 +110,8 @@ class RolloutWorker:
         emit: Emit | None = None,
         peers: WorkerPeers | None = None,
         on_change: Callable[[], None] | None = None,
+        kv_transport: KvTransport | None = None,
+        kv_staging_bytes: int = KV_STAGING_BYTES,
     ) -> None:
         self.engine = engine
         self.worker_id = worker_id
@@ -112,6 +127,9 @@ class RolloutWorker:
         self.in_flight = 0
         self._emit = emit
         self.peers = peers
+        self.kv_transport = kv_transport
+        self.kv_staging_bytes = kv_staging_bytes
+        self._kv_staged = 0  # bytes of KV received for adoptions and not yet loaded
         self._on_change = on_change or (lambda: None)
         self._open = asyncio.Event()  # closed while weights are swapped or the engine sleeps or wakes
         self._open.set()
@@ -315,8 +333,15 @@ class RolloutWorker:
 
     # ---- migration ----
 
+    @property
+    def moves_kv(self) -> bool:
+        """Whether this worker can save and load KV (a connector in its engine and a transport to carry it)."""
+        return self.engine.kv_transfer and self.kv_transport is not None
+
     async def adopt(self, request: AdoptRequest, history: np.ndarray) -> AdoptReply:
-        """Take over a session from a draining worker; prefill its history now (from moved KV if possible)."""
+        """Take over a session from a draining worker and prefill its history now: from the KV the request's
+        ticket names when that arrives whole and fits this engine, else by recomputing it (the reply says which,
+        and why it fell back)."""
         if request.execution_id in self.ended:
             return AdoptReply(ok=False, ended=True, detail=f"execution {request.execution_id} has ended")
         if self.state != "active":
@@ -331,33 +356,71 @@ class RolloutWorker:
             session.history = np.asarray(history, dtype=np.int32)
             self.sessions[key] = session
             self.moved.pop(request.execution_id, None)
-            cached = 0
-            kv = request.method == "kv" and request.kv_prompt_len > 0
-            if kv:
-                prompt = session.history[: request.kv_prompt_len]
-                request_id = f"{KV_LOAD_PREFIX}{uuid.uuid4().hex}"
-            else:
-                prompt = self._prefill_limit(session.history)
-                request_id = f"adopt-{uuid.uuid4().hex}"
-            if len(prompt) > 1:
-                # One greedy token: the point is the prefill, which leaves the history in the prefix cache.
-                try:
-                    out, _ = await self._engine_call(prompt, SamplingSpec(max_tokens=1, temperature=0.0), request_id,
-                                                     policy_version=request.policy_version if kv else None)
-                except PolicyChanged as exc:  # KV of another policy must not enter this engine's cache
-                    self.sessions.pop(key, None)  # the source recomputes it here or elsewhere
-                    return AdoptReply(ok=False, detail=f"saved KV is stale: {exc}")
-                except WorkerStandingBy as exc:  # went to sleep while this waited: the source tries another
-                    self.sessions.pop(key, None)
-                    return AdoptReply(ok=False, detail=str(exc))
-                except BaseException:
-                    # The source keeps the session (its adopt failed): no copy stays here that no move points to.
-                    if self.sessions.get(key) is session:
-                        del self.sessions[key]
-                    raise
-                cached = out.cached_tokens
+            method: Literal["kv", "recompute"] = "recompute"
+            fallback, cached = request.fallback, 0
+            try:
+                if request.kv is not None:
+                    try:
+                        cached = await self._load_kv(session.history, request.kv, request.policy_version)
+                        method = "kv"
+                    except KvNotMoved as exc:
+                        fallback = str(exc)
+                        self.log.warning("kv_load_refused", execution_id=request.execution_id,
+                                         from_worker=request.from_worker, reason=fallback)
+                if method == "recompute":
+                    prompt = self._prefill_limit(session.history)
+                    if len(prompt) > 1:
+                        out, _ = await self._engine_call(prompt, PREFILL_ONLY, f"adopt-{uuid.uuid4().hex}")
+                        cached = out.cached_tokens
+            except WorkerStandingBy as exc:  # went to sleep while this waited: the source tries another
+                self.sessions.pop(key, None)
+                return AdoptReply(ok=False, detail=str(exc))
+            except BaseException:
+                # The source keeps the session (its adopt failed): no copy stays here that no move points to.
+                if self.sessions.get(key) is session:
+                    del self.sessions[key]
+                raise
         self._on_change()
-        return AdoptReply(ok=True, cached_tokens=cached, seconds=time.perf_counter() - started)
+        return AdoptReply(ok=True, method=method, fallback=fallback, cached_tokens=cached, seconds=time.perf_counter() - started)
+
+    async def _load_kv(self, history: np.ndarray, ticket: KvTicket, policy_version: int) -> int:
+        """Receive a session's KV, stage it for the engine and prefill its prompt from it; returns the prompt
+        tokens the engine took from it. KvNotMoved (with the reason) when anything keeps it from loading whole:
+        the caller recomputes. The bundle is checked before the engine sees it (digest, model, prompt), so a
+        wrong prefix never enters the cache."""
+        if not self.moves_kv:
+            raise KvNotMoved(f"worker {self.worker_id} has no KV connector or transport")
+        if ticket.fingerprint != self.engine.kv_fingerprint:
+            raise KvNotMoved(f"model mismatch: KV of model {ticket.fingerprint[:16]}…, this worker serves "
+                             f"{self.engine.kv_fingerprint[:16]}…")
+        if policy_version != self.policy_version:  # the version policy (docs/rollout.md): recompute under ours
+            raise KvNotMoved(f"saved KV is stale: computed by policy {policy_version}, this worker serves "
+                             f"{self.policy_version}")
+        if ticket.prompt_tokens > len(history):
+            raise KvNotMoved(f"KV of {ticket.prompt_tokens} tokens for a history of {len(history)}")
+        if self._kv_staged + ticket.bytes > self.kv_staging_bytes:
+            raise KvNotMoved(f"target full: {self._kv_staged} B of KV staged, {ticket.bytes} B more would pass "
+                             f"its limit of {self.kv_staging_bytes} B")
+        assert self.kv_transport is not None
+        prompt = history[: ticket.prompt_tokens]
+        ids = prompt.tolist()
+        self._kv_staged += ticket.bytes
+        try:
+            try:
+                self.engine.import_kv(ids, await self.kv_transport.receive(ticket))
+            except (KvTransferFailed, KvBundleError) as exc:
+                raise KvNotMoved(str(exc)) from exc
+            try:
+                out, _ = await self._engine_call(prompt, PREFILL_ONLY, f"{KV_LOAD_PREFIX}{uuid.uuid4().hex}",
+                                                 policy_version=policy_version)
+            except PolicyChanged as exc:  # weights swapped while it arrived: KV of another policy stays out
+                raise KvNotMoved(f"saved KV is stale: {exc}") from exc
+        finally:
+            self.engine.drop_kv(ids)
+            self._kv_staged -= ticket.bytes
+        if out.cached_tokens <= 0:
+            raise KvNotMoved("the engine loaded none of the moved KV")
+        return out.cached_tokens
 
     async def drain(self, request: DrainRequest) -> DrainReply:
         """Stop taking new sessions and move every live session to other workers (KV, else recompute).
@@ -459,42 +522,54 @@ class RolloutWorker:
 
     async def _hand_over(
         self, session: Session, target: WorkerStatus, request: DrainRequest
-    ) -> tuple[str, int, AdoptReply]:
-        """Offer the session to `target` (under the session's lock): its KV when the engine can move KV, else (or
-        when that fails) its history to recompute. Returns the method, the KV bytes moved and the answer."""
+    ) -> tuple[AdoptReply, int]:
+        """Offer the session to `target` (under the session's lock) with its KV when this worker moves KV (saved
+        by the engine, sent through the KV transport); the target loads it or recomputes the history. Returns
+        the answer and the KV bytes that reached the target's engine."""
         assert self.peers is not None
         history = session.history
-        method = request.force_method or ("kv" if self.engine.kv_transfer else "recompute")
-        prompt = kv_prompt(self._prefill_limit(history), self.engine.block_size) if method == "kv" else None
-        if prompt is not None:
-            _, saved_by = await self._engine_call(
-                prompt, SamplingSpec(max_tokens=1, temperature=0.0), f"{KV_SAVE_PREFIX}{uuid.uuid4().hex}"
-            )
-            moved_bytes = self.engine.kv_bytes(prompt.tolist())
-            adopt = AdoptRequest(
-                execution_id=session.execution_id,
-                chain_id=session.chain_id,
-                history=TokenPayload(count=len(history)),
-                method="kv",
-                kv_prompt_len=len(prompt),
-                from_worker=self.worker_id,
-                policy_version=saved_by,
-            )
+        adopt = AdoptRequest(execution_id=session.execution_id, chain_id=session.chain_id,
+                             history=TokenPayload(count=len(history)), from_worker=self.worker_id)
+        ticket: KvTicket | None = None
+        if (request.force_method or ("kv" if self.moves_kv else "recompute")) == "kv":
             try:
-                reply = await self.peers.adopt(target.worker_id, adopt, history)
-            finally:
-                self.engine.drop_kv(prompt.tolist())  # the shared folder only holds KV in transit
-            if reply.ended or (reply.ok and reply.cached_tokens > 0):
-                return "kv", moved_bytes, reply
-            self.log.warning("kv_migration_fell_back", execution_id=session.execution_id, detail=reply.detail)
-        adopt = AdoptRequest(
-            execution_id=session.execution_id,
-            chain_id=session.chain_id,
-            history=TokenPayload(count=len(history)),
-            method="recompute",
-            from_worker=self.worker_id,
-        )
-        return "recompute", 0, await self.peers.adopt(target.worker_id, adopt, history)
+                ticket, saved_by = await self._export_kv(history)
+            except KvNotMoved as exc:
+                self.log.warning("kv_export_failed", execution_id=session.execution_id, reason=str(exc))
+                adopt = adopt.model_copy(update={"fallback": str(exc)})
+            else:
+                adopt = adopt.model_copy(update={"kv": ticket, "policy_version": saved_by})
+        try:
+            reply = await self.peers.adopt(target.worker_id, adopt, history)
+        finally:
+            if ticket is not None:  # the bundle is only in transit: gone once the target answered
+                assert self.kv_transport is not None
+                await self.kv_transport.discard(ticket)
+        return reply, (ticket.bytes if ticket is not None and reply.method == "kv" else 0)
+
+    async def _export_kv(self, history: np.ndarray) -> tuple[KvTicket, int]:
+        """Save the session's KV through the engine's connector and send it; returns its ticket and the policy
+        version that computed it. KvNotMoved with the reason when it cannot."""
+        if not self.moves_kv:
+            raise KvNotMoved(f"worker {self.worker_id} has no KV connector or transport")
+        assert self.kv_transport is not None
+        prompt = kv_prompt(self._prefill_limit(history), self.engine.block_size)
+        if prompt is None:
+            raise KvNotMoved(f"no whole KV block to move in a history of {len(history)} tokens")
+        ids = prompt.tolist()
+        try:
+            _, saved_by = await self._engine_call(prompt, PREFILL_ONLY, f"{KV_SAVE_PREFIX}{uuid.uuid4().hex}")
+            bundle = self.engine.export_kv(ids)
+        except (EngineError, KvBundleError) as exc:
+            raise KvNotMoved(f"KV export failed: {exc}") from exc
+        finally:
+            self.engine.drop_kv(ids)
+        try:
+            ticket = await self.kv_transport.send(bundle, fingerprint=self.engine.kv_fingerprint,
+                                                  prompt_tokens=len(ids))
+        except KvTransferFailed as exc:
+            raise KvNotMoved(str(exc)) from exc
+        return ticket, saved_by
 
     async def _migrate(
         self, session: Session, request: DrainRequest, *, only_preferred: bool = False
@@ -514,7 +589,7 @@ class RolloutWorker:
             for _ in range(MIGRATION_TARGETS):
                 target = self._pick_target(session.execution_id, request.targets, refused,
                                            only_preferred=only_preferred)
-                method, moved_bytes, reply = await self._hand_over(session, target, request)
+                reply, moved_bytes = await self._hand_over(session, target, request)
                 if reply.ok or reply.ended:
                     break
                 refused.add(target.worker_id)  # draining too, say, and its heartbeat had not told yet
@@ -535,11 +610,12 @@ class RolloutWorker:
             execution_id=session.execution_id,
             chain_id=session.chain_id,
             to_worker=target.worker_id,
-            method=method,  # type: ignore[arg-type]
+            method=reply.method,
             tokens=len(history),
             bytes=moved_bytes,
             seconds=seconds,
             cached_tokens=reply.cached_tokens,
+            fallback=reply.fallback,
         )
         if self._emit is not None:
             await self._emit(
@@ -548,10 +624,11 @@ class RolloutWorker:
                         execution_id=session.execution_id,
                         from_cell=self.cell_id,
                         to_cell=target.cell_id,
-                        tokens=len(history) if method == "recompute" else reply.cached_tokens,
+                        tokens=len(history) if reply.method == "recompute" else reply.cached_tokens,
                         bytes=moved_bytes,
                         seconds=seconds,
-                        method=method,  # type: ignore[arg-type]
+                        method=reply.method,
+                        fallback=reply.fallback,
                     )
                 ]
             )

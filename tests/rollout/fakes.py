@@ -5,6 +5,7 @@ vLLM tests use the real engine.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -21,11 +22,15 @@ from services.rollout.credentials import TokenVerifier
 from services.rollout.engine_port import EngineError, EngineOutput
 from services.rollout.gateway import create_app
 from services.rollout.gateway_core import GatewayCore
+from services.rollout.kv_bundle import KvBundleError, KvManifest, pack_bundle, unpack_bundle
+from services.rollout.kv_handoff import KV_LOAD_PREFIX, KV_SAVE_PREFIX
+from services.rollout.kv_transport import KvTransferFailed
 from services.rollout.protocol import (
     AdoptReply,
     AdoptRequest,
     GenerateReply,
     GenerateRequest,
+    KvTicket,
     SamplingSpec,
 )
 from services.rollout.recorder_memory import InMemoryCallRecorder
@@ -34,6 +39,7 @@ from services.rollout.worker import RolloutWorker
 from shared.chat import chat_template
 from shared.events import Event, ExecutionStarted, new_event, stream_id_for
 from shared.execution_tokens import derive_execution_token
+from shared.tokens import digest_of
 from shared.worker_status import WorkerStatus
 
 TOKEN_SECRET = b"test-secret"  # the run's execution-token secret in every stack
@@ -82,10 +88,15 @@ class CharCodec:
 
 class ScriptedEngine:
     """Generates scripted replies (text → char ids ⊕ EOS); logprobs are a pure function of the prompt. Asleep, it
-    refuses to generate (a real one would hold the request until woken): a worker must never send it one."""
+    refuses to generate (a real one would hold the request until woken): a worker must never send it one.
+
+    With `kv_transfer`, it saves and loads "KV" the way Gyre's connector does for `kvsave-`/`kvload-` requests:
+    the saved bundle holds the prompt's ids themselves, so a load checks that the prefix it is given is the one
+    the bundle was saved for, and a load request hits it (cached tokens) only when it was staged."""
 
     block_size = 16
     kv_transfer = False
+    kv_fingerprint = "scripted-model"
 
     def __init__(
         self,
@@ -104,8 +115,22 @@ class ScriptedEngine:
         self.asleep = False
         self.sleeps = 0
         self.wakes = 0
+        self.kv_saved: dict[tuple[int, ...], bytes] = {}  # what kvsave- requests stored, by prompt
+        self.kv_staged: dict[tuple[int, ...], bytes] = {}  # what import_kv placed for a kvload- request
+        self.kv_loads: list[int] = []  # cached tokens of each kvload- request
 
     async def generate(self, prompt: list[int], sampling: SamplingSpec, request_id: str) -> EngineOutput:
+        if self.kv_transfer and request_id.startswith(KV_SAVE_PREFIX) and not self.asleep:
+            self.kv_saved[tuple(prompt)] = np.asarray(prompt, dtype="<i4").tobytes()
+        out = await self._generate(prompt, sampling, request_id)
+        if self.kv_transfer and request_id.startswith(KV_LOAD_PREFIX):
+            hit = tuple(prompt) in self.kv_staged
+            loaded = (len(prompt) - 1) // self.block_size * self.block_size if hit else 0
+            out = dataclasses.replace(out, cached_tokens=max(out.cached_tokens, loaded))
+            self.kv_loads.append(out.cached_tokens)
+        return out
+
+    async def _generate(self, prompt: list[int], sampling: SamplingSpec, request_id: str) -> EngineOutput:
         if self.asleep:
             raise EngineError(f"request {request_id} sent to a sleeping engine")
         if self.fail_next is not None:
@@ -156,13 +181,73 @@ class ScriptedEngine:
             self.asleep, self.wakes = False, self.wakes + 1
 
     def kv_bytes(self, prompt: list[int]) -> int:
-        return 0
+        return len(self.kv_saved.get(tuple(prompt), b""))
+
+    def export_kv(self, prompt: list[int]) -> bytes:
+        data = self.kv_saved.pop(tuple(prompt), None)
+        if data is None:
+            raise KvBundleError("the engine saved no KV for the prompt")
+        manifest = KvManifest(fingerprint=self.kv_fingerprint, folder=f"p{len(prompt)}", prompt_tokens=len(prompt),
+                              files=(("layers.bin", len(data)),))
+        return pack_bundle(manifest, {"layers.bin": data})
+
+    def import_kv(self, prompt: list[int], bundle: bytes) -> int:
+        manifest, files = unpack_bundle(bundle)
+        if manifest.fingerprint != self.kv_fingerprint:
+            raise KvBundleError(f"KV of another model ({manifest.fingerprint})")
+        if files["layers.bin"] != np.asarray(prompt, dtype="<i4").tobytes():
+            raise KvBundleError("KV saved for another prompt")
+        self.kv_staged[tuple(prompt)] = files["layers.bin"]
+        return len(bundle)
 
     def drop_kv(self, prompt: list[int]) -> None:
-        return None
+        self.kv_saved.pop(tuple(prompt), None)
+        self.kv_staged.pop(tuple(prompt), None)
 
     async def close(self) -> None:
         return None
+
+
+class MemoryKvTransport:
+    """The KV transport in this process's memory (the NATS one's fake; one contract suite runs against both).
+    `corrupt_next`, `truncate_next` and `lose_next` spoil the next bundle sent: a flipped byte under the sender's
+    digest, half of it, or nothing at all (its sender died before it finished)."""
+
+    name = "memory"
+
+    def __init__(self) -> None:
+        self.objects: dict[str, bytes] = {}
+        self.sent = 0
+        self.corrupt_next = self.truncate_next = self.lose_next = False
+
+    async def send(self, bundle: bytes, *, fingerprint: str, prompt_tokens: int) -> KvTicket:
+        self.sent += 1
+        name = f"kv-{self.sent}"
+        stored = bundle
+        if self.corrupt_next:
+            stored, self.corrupt_next = bundle[:-1] + bytes([bundle[-1] ^ 0xFF]), False
+        if self.truncate_next:
+            stored, self.truncate_next = bundle[: len(bundle) // 2], False
+        if self.lose_next:
+            self.lose_next = False
+        else:
+            self.objects[name] = stored
+        return KvTicket(transport=self.name, object_name=name, digest=digest_of(bundle), bytes=len(bundle),
+                        fingerprint=fingerprint, prompt_tokens=prompt_tokens)
+
+    async def receive(self, ticket: KvTicket) -> bytes:
+        if ticket.transport != self.name:
+            raise KvTransferFailed(f"ticket for the {ticket.transport!r} transport, this worker uses {self.name!r}")
+        data = self.objects.get(ticket.object_name)
+        if data is None:
+            raise KvTransferFailed(f"KV object {ticket.object_name} missing (its sender died or it expired)")
+        if digest_of(data) != ticket.digest:
+            raise KvTransferFailed(f"KV object {ticket.object_name}: expected digest {ticket.digest}, "
+                                   f"read {digest_of(data)}")
+        return data
+
+    async def discard(self, ticket: KvTicket) -> None:
+        self.objects.pop(ticket.object_name, None)
 
 
 class LocalWorkers:
@@ -259,13 +344,17 @@ def build_stack(
     recorder: InMemoryCallRecorder | None = None,
     max_body_bytes: int = 32 * 1024 * 1024,
     emit: Any = None,
+    kv_transport: Any = None,
 ) -> Stack:
-    """A gateway over workers of `engines` in this process. Pass `recorder.restarted()` of an earlier stack for
-    a gateway that restarted over the same log."""
+    """A gateway over workers of `engines` in this process, moving KV through `kv_transport` (default: one
+    in-memory transport they share). Pass `recorder.restarted()` of an earlier stack for a gateway that restarted
+    over the same log."""
     local = LocalWorkers()
     directory = WorkerDirectory(stale_after_s=1e9)
+    kv_transport = kv_transport or MemoryKvTransport()
     for i, engine in enumerate(engines):
-        local.add(RolloutWorker(engine, worker_id=f"w{i}", cell_id=f"cell-{i}", capacity=capacity, emit=emit))
+        local.add(RolloutWorker(engine, worker_id=f"w{i}", cell_id=f"cell-{i}", capacity=capacity, emit=emit,
+                                kv_transport=kv_transport))
     router = Router(directory, local)
     recorder = recorder or InMemoryCallRecorder()
     core = GatewayCore(codec=codec, router=router, recorder=recorder, tokens=TokenVerifier(TOKEN_SECRET),
@@ -278,4 +367,4 @@ def build_stack(
     return stack
 
 
-__all__ = ["TOKEN_SECRET", "CharCodec", "LocalWorkers", "ScriptedEngine", "Stack", "build_stack", "reply_message"]
+__all__ = ["TOKEN_SECRET", "CharCodec", "LocalWorkers", "MemoryKvTransport", "ScriptedEngine", "Stack", "build_stack", "reply_message"]

@@ -169,7 +169,7 @@ async def test_a_worker_started_in_standby_is_asleep_says_nothing_and_refuses_wo
     assert refused.status == "draining" and "standby" in refused.detail
     adopt = await NatsPeers(c.bus, c.directory).adopt(
         "cell-b", AdoptRequest(execution_id="e0", chain_id="main", history=TokenPayload(count=len(PROMPT)),
-                               method="recompute", from_worker="cell-a"), PROMPT)
+                               from_worker="cell-a"), PROMPT)
     assert not adopt.ok and "standby" in adopt.detail
     assert standby.worker.sessions == {} and c.engines["cell-b"].prompts == []  # nothing reached its engine
 

@@ -1,4 +1,6 @@
-"""KV migration between two real vLLM engines through the shared-storage connector (the one two-engine test)."""
+"""KV migration between two real vLLM engines, each with its own KV folder (nothing shared between them): the
+source's connector saves the session's KV, the NATS transport carries it through the Object Store, the target's
+connector loads it."""
 
 from __future__ import annotations
 
@@ -10,9 +12,13 @@ import pytest_asyncio
 from gyre.tinymodel import create_tiny_model
 from services.rollout import anthropic_api
 from services.rollout.codec import TokenizerCodec
+from services.rollout.kv_bundle import KvBundleError, pack_bundle, unpack_bundle
+from services.rollout.kv_handoff import KV_LOAD_PREFIX, KV_SAVE_PREFIX
 from services.rollout.protocol import DrainRequest, SamplingSpec
 from shared.calls import CallTokens
 from shared.events import KvMigrated
+from services.rollout.transport import NatsKvTransport
+from tests.conftest import drop_bus, make_bus
 from tests.rollout.fakes import build_stack
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
@@ -32,16 +38,22 @@ async def engines(model_dir, tmp_path_factory):
     from services.rollout.engine import VllmConfig, VllmEngine, prepare_cpu_environment
 
     prepare_cpu_environment(tmp_path_factory.mktemp("vllm"))
-    kv = tmp_path_factory.mktemp("kv")
-    a = VllmEngine.start(VllmConfig(model=model_dir, max_model_len=2048, kv_storage=kv))
-    b = VllmEngine.start(VllmConfig(model=model_dir, max_model_len=2048, kv_storage=kv))
+    a = VllmEngine.start(VllmConfig(model=model_dir, max_model_len=2048, kv_storage=tmp_path_factory.mktemp("kv-a")))
+    b = VllmEngine.start(VllmConfig(model=model_dir, max_model_len=2048, kv_storage=tmp_path_factory.mktemp("kv-b")))
     await b.warm_up()  # as a rollout worker does before it reports ready: the migration must not mind
     yield a, b
     await a.close()
     await b.close()
 
 
-def two_workers(engines, model_dir):
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def kv_transport(infra):
+    bus = await make_bus(infra.nats_url)
+    yield NatsKvTransport(bus.kv_objects)
+    await drop_bus(bus)
+
+
+def two_workers(engines, model_dir, kv_transport):
     """A gateway stack over both engines whose new executions start on w0 (w1 looks busy draining until the test
     lets it take sessions); returns it, the codec and the events its workers emit."""
     events: list = []
@@ -50,16 +62,17 @@ def two_workers(engines, model_dir):
         events.extend(data)
 
     codec = TokenizerCodec.from_model_dir(model_dir)
-    stack = build_stack(list(engines), codec, emit=emit)
+    stack = build_stack(list(engines), codec, emit=emit, kv_transport=kv_transport)
     stack.local.workers["w1"].state = "draining"
     stack.refresh()
     return stack, codec, events
 
 
-async def test_live_session_moves_to_another_worker_with_its_kv_and_continues_identically(engines,
-                                                                                         model_dir) -> None:
-    a, _ = engines
-    stack, codec, events = two_workers(engines, model_dir)
+async def test_live_session_moves_to_another_worker_with_its_kv_and_continues_identically(engines, model_dir,
+                                                                                         kv_transport) -> None:
+    a, b = engines
+    assert a.config.kv_storage != b.config.kv_storage
+    stack, codec, events = two_workers(engines, model_dir, kv_transport)
     w0, w1 = stack.local.workers["w0"], stack.local.workers["w1"]
     client = stack.anthropic(stack.token("m-1"))
     turn1 = [{"role": "user", "content": "Look at the repository and report."}]
@@ -91,6 +104,9 @@ async def test_live_session_moves_to_another_worker_with_its_kv_and_continues_id
     assert set(by_exec) == {"m-1", "m-2"}
     moved = by_exec["m-1"]
     assert moved.method == "kv" and moved.to_worker == "w1" and moved.bytes > 0 and moved.cached_tokens > 0
+    assert moved.fallback == ""
+    # Nothing stays behind: the source's folder, the target's and the bus's bucket only hold KV in transit.
+    assert list(a.config.kv_storage.iterdir()) == [] and list(b.config.kv_storage.iterdir()) == []
     kv_events = [e for e in events if isinstance(e, KvMigrated)]
     assert {e.execution_id for e in kv_events} == {"m-1", "m-2"}
     assert all(e.from_cell == "cell-0" and e.to_cell == "cell-1" and e.method == "kv" for e in kv_events)
@@ -112,8 +128,9 @@ async def test_warm_up_serves_one_request_and_leaves_no_kv_behind(engines) -> No
     assert a.kv_bytes(list(range(1, 17))) == 0
 
 
-async def test_an_ordered_move_takes_one_execution_with_its_kv_and_leaves_the_others(engines, model_dir) -> None:
-    stack, _, events = two_workers(engines, model_dir)
+async def test_an_ordered_move_takes_one_execution_with_its_kv_and_leaves_the_others(engines, model_dir,
+                                                                                    kv_transport) -> None:
+    stack, _, events = two_workers(engines, model_dir, kv_transport)
     w0, w1 = stack.local.workers["w0"], stack.local.workers["w1"]
     turn1 = [{"role": "user", "content": "Look at the repository and report."}]
     mover, stayer = stack.anthropic(stack.token("o-1")), stack.anthropic(stack.token("o-2"))
@@ -136,3 +153,26 @@ async def test_an_ordered_move_takes_one_execution_with_its_kv_and_leaves_the_ot
     await stayer.messages.create(model="tiny", system=SYSTEM, max_tokens=8, messages=turn1 + [
         {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}])
     assert stack.recorder.calls("o-2")[-1].cell_id == "cell-0"
+
+
+async def test_an_engine_loads_only_a_bundle_of_its_model_and_prompt(engines) -> None:
+    a, b = engines
+    prompt = [int(t) for t in (list(range(5, 300)) * 2)[:400]]
+    await a.generate(prompt, SamplingSpec(max_tokens=1, temperature=0.0), f"{KV_SAVE_PREFIX}bundle-test")
+    bundle = a.export_kv(prompt)
+    assert a.kv_bytes(prompt) == 0  # exported: the folder only held it in transit
+    manifest, files = unpack_bundle(bundle)
+    assert manifest.fingerprint == a.kv_fingerprint == b.kv_fingerprint and manifest.prompt_tokens == len(prompt)
+    assert len(files) == a._llm.vllm_config.model_config.hf_config.num_hidden_layers  # one file a layer
+    foreign = pack_bundle(manifest.model_copy(update={"fingerprint": "0" * 64}), files)
+    with pytest.raises(KvBundleError, match="another model"):
+        b.import_kv(prompt, foreign)
+    with pytest.raises(KvBundleError, match="another prompt"):
+        b.import_kv(prompt[1:], bundle)
+    with pytest.raises(KvBundleError, match="truncated"):
+        b.import_kv(prompt, bundle[:-100])
+    assert b.kv_bytes(prompt) == 0  # nothing refused was staged
+    assert b.import_kv(prompt, bundle) == len(bundle)
+    out = await b.generate(prompt, SamplingSpec(max_tokens=1, temperature=0.0), f"{KV_LOAD_PREFIX}bundle-test")
+    b.drop_kv(prompt)
+    assert out.cached_tokens >= len(prompt) // b.block_size * b.block_size - b.block_size

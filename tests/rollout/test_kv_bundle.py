@@ -1,0 +1,51 @@
+"""A KV bundle reads back as written, and bytes that are not a whole bundle are refused with what is wrong."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from services.rollout.kv_bundle import KvBundleError, KvManifest, pack_bundle, unpack_bundle
+
+names = st.text(alphabet="abcdefghijklmnopqrstuvwxyz_.0123456789", min_size=1, max_size=40).filter(
+    lambda n: not n.startswith("."))
+
+
+def bundle_of(files: dict[str, bytes]) -> bytes:
+    manifest = KvManifest(fingerprint="f" * 64, folder="abc", prompt_tokens=33,
+                          files=tuple((n, len(d)) for n, d in files.items()))
+    return pack_bundle(manifest, files)
+
+
+@given(st.dictionaries(names, st.binary(max_size=2000), min_size=1, max_size=6))
+def test_a_bundle_unpacks_to_the_files_packed(files: dict[str, bytes]) -> None:
+    manifest, got = unpack_bundle(bundle_of(files))
+    assert got == files and manifest.prompt_tokens == 33 and manifest.fingerprint == "f" * 64
+
+
+def test_a_truncated_bundle_is_refused_at_any_cut() -> None:
+    data = bundle_of({"model.layers.0.self_attn.attn.safetensors": b"k" * 300, "layer1.safetensors": b"v" * 300})
+    for cut in (0, 5, 9, 16, 40, len(data) // 2, len(data) - 1):
+        with pytest.raises(KvBundleError):
+            unpack_bundle(data[:cut])
+    with pytest.raises(KvBundleError, match="truncated"):
+        unpack_bundle(data + b"extra")
+
+
+def test_bytes_that_are_not_a_bundle_are_named_so() -> None:
+    with pytest.raises(KvBundleError, match="not a KV bundle"):
+        unpack_bundle(b"PK\x03\x04 a zip file")
+
+
+def test_a_file_name_that_leaves_the_folder_is_refused() -> None:
+    with pytest.raises(KvBundleError, match="outside"):
+        unpack_bundle(bundle_of({"../escape": b"x"}))
+
+
+def test_files_that_disagree_with_the_manifest_are_not_packed() -> None:
+    manifest = KvManifest(fingerprint="f", folder="abc", prompt_tokens=33, files=(("a", 3),))
+    with pytest.raises(KvBundleError, match="manifest"):
+        pack_bundle(manifest, {"a": b"four"})
+    with pytest.raises(KvBundleError, match="manifest"):
+        pack_bundle(manifest, {"b": b"abc"})
