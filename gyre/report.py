@@ -79,10 +79,32 @@ class RunReport:
     timeline: list[dict[str, Any]] = field(default_factory=list)
     world_sizes: list[dict[str, Any]] = field(default_factory=list)  # trainer.group_formed: t, world size, why
     migrations: dict[str, int] = field(default_factory=dict)  # sessions moved, by method
+    # Prompt tokens targets took from moved KV instead of prefilling them again, and the KV bytes that moved.
+    prefill_tokens_avoided: int = 0
+    kv_bytes_moved: int = 0
+    kv_fallbacks: dict[str, int] = field(default_factory=dict)  # moves that tried KV and recomputed, by reason
     wall_s: float | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
+
+
+_FALLBACK_KINDS = (  # (a phrase a fallback's reason holds, what the report calls it)
+    ("digest", "corrupted or truncated in transit"),
+    ("missing", "KV missing (its sender died, or it expired)"),
+    ("stopped arriving", "transfer stalled"),
+    ("arrived, then nothing", "transfer stalled"),
+    ("target full", "target full"),
+    ("model mismatch", "another model"),
+    ("stale", "another policy version"),
+    ("no whole KV block", "no whole block to move"),
+    ("no KV connector", "no KV connector or transport"),
+)
+
+
+def _reason_kind(fallback: str) -> str:
+    """A fallback's reason without its particulars (object names, byte counts), so like reasons count together."""
+    return next((kind for phrase, kind in _FALLBACK_KINDS if phrase in fallback), fallback[:80])
 
 
 def build_report(run_id: str, events: Sequence[Event]) -> RunReport:
@@ -142,6 +164,12 @@ def build_report(run_id: str, events: Sequence[Event]) -> RunReport:
                 switch.sessions_parked += data.parked_sessions
         elif isinstance(data, KvMigrated):
             migrations[data.method] += 1
+            if data.method == "kv":
+                report.prefill_tokens_avoided += data.tokens
+                report.kv_bytes_moved += data.bytes
+            if data.fallback:
+                reason = _reason_kind(data.fallback)
+                report.kv_fallbacks[reason] = report.kv_fallbacks.get(reason, 0) + 1
             if (switch := switching.get(data.from_cell)) is not None:
                 switch.sessions_moved[data.method] = switch.sessions_moved.get(data.method, 0) + 1
         elif isinstance(data, CellReady):
@@ -237,5 +265,9 @@ def summary_lines(report: RunReport) -> list[str]:
             + (f" ({sum(1 for s in v if s['warm'])} warm)" if any(s["warm"] is not None for s in v) else "")
             for (a, b), v in sorted(by_kind.items())))
     if report.migrations:
-        lines.append("sessions moved: " + ", ".join(f"{n} by {m}" for m, n in report.migrations.items()))
+        lines.append("sessions moved: " + ", ".join(f"{n} by {m}" for m, n in report.migrations.items())
+                     + f"; re-prefill avoided: {report.prefill_tokens_avoided:,} tokens "
+                     f"({report.kv_bytes_moved / 2**20:.1f} MiB of KV moved)")
+    if report.kv_fallbacks:
+        lines.append("KV moves that recomputed: " + "; ".join(f"{n}× {r}" for r, n in report.kv_fallbacks.items()))
     return lines

@@ -32,7 +32,7 @@ __all__ = [
     "model_info",
 ]
 
-Size = Literal["tiny", "small"]
+Size = Literal["tiny", "small", "wide"]
 
 # The one vocabulary size for every tiny model: small enough for fast CPU softmax, large enough that a
 # 50 KB Claude Code request stays well inside the context.
@@ -56,6 +56,16 @@ _SIZES: dict[str, dict[str, int]] = {
         "num_attention_heads": 8,
         "num_key_value_heads": 4,
         "intermediate_size": 768,
+    },
+    # For benchmarks that weigh compute against KV bytes (bench/kv_migration.py): wide layers over a narrow KV
+    # (32 query heads share 2 KV heads), so prefilling a token costs ~45 kFLOP per byte of its KV — still about
+    # 5× less than a 7B model with GQA in bf16 (~230 kFLOP/B), where the tiny model's is ~1 kFLOP/B.
+    "wide": {
+        "hidden_size": 1024,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 2,
+        "intermediate_size": 3072,
     },
 }
 

@@ -184,12 +184,15 @@ class CellReady(_Extended):
 
 
 @register
-class KvMigrated(EventData):
+class KvMigrated(_Extended):
     """One live session moved cell to cell: by its KV (`tokens`: prompt tokens the target took from the moved
     KV rather than prefill again) or by recompute (`tokens`: the history the target prefilled). A move that
-    tried KV and recomputed says why in `fallback` (digest mismatch, target full, another model or policy...)."""
+    tried KV and recomputed says why in `fallback` (digest mismatch, target full, another model or policy...).
+    `phases` times a KV move's parts: `save_s` and `send_s` on the source, `receive_s` and `load_s` on the
+    target (and `recompute_s` where it recomputed)."""
 
     TYPE: ClassVar[str] = "kv.migrated"
+    WRITTEN_WHEN_SET: ClassVar[tuple[str, ...]] = ("fallback", "phases")
     execution_id: str
     from_cell: str
     to_cell: str
@@ -198,6 +201,7 @@ class KvMigrated(EventData):
     seconds: float = Field(ge=0)
     method: Literal["kv", "recompute"]
     fallback: str = ""
+    phases: dict[str, float] = Field(default_factory=dict)
 
 
 @register

@@ -3,12 +3,12 @@ blob store port's object backend (`ObjectBlobStore`, `store="object"`)."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
+import contextlib
 import io
-import time
 from typing import Any
 
+import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import ObjectStoreConfig
@@ -59,45 +59,61 @@ class ObjectStore:
         Under its digest an object is written once: a second put of the same bytes (a trainer publishing
         weights a step did not change, say) is skipped, because the Object Store replaces an object by writing
         new chunks and purging the old ones, and a reader still on the old chunks would then wait for ever.
-        A put under an explicit `name` replaces what is there."""
-        digest = digest_of(data)
+        A put under an explicit `name` replaces what is there (and its digest is the one the Object Store
+        computes as it writes: the bytes are hashed once)."""
         store = await self._objects()
-        key = name or digest.replace(":", "-")
-        if name is None:
-            try:
-                info = await store.get_info(key)
-            except nats.js.errors.NotFoundError:
-                info = None
-            if info is not None and info.size == len(data) and info.digest == _nats_digest(digest):
-                return digest
+        if name is not None:
+            written = await store.put(name, io.BytesIO(data))
+            return _our_digest(written.digest)
+        digest = digest_of(data)
+        key = digest.replace(":", "-")
+        try:
+            info = await store.get_info(key)
+        except nats.js.errors.NotFoundError:
+            info = None
+        if info is not None and info.size == len(data) and info.digest == _nats_digest(digest):
+            return digest
         await store.put(key, io.BytesIO(data))
         return digest
 
     async def get_object(
         self, name_or_digest: str, *, expected_digest: str | None = None, stall_s: float = 60.0
     ) -> bytes:
-        """Read an object whole. A read during which no chunk arrives for `stall_s` (its chunks were purged, say)
-        fails with ObjectFetchTimeout instead of waiting for ever; a large object that keeps arriving, however
-        slowly, is read to the end."""
+        """Read an object whole, checked against the digest the Object Store recorded and `expected_digest` (or
+        the name, when it is a digest). A read during which no chunk arrives for `stall_s` (its chunks were
+        purged, say) fails with ObjectFetchTimeout instead of waiting for ever; a large object that keeps
+        arriving, however slowly, is read to the end.
+
+        Read here rather than by nats-py's `get`, which hands each chunk to a thread (or grows one bytes object
+        chunk by chunk): that read 4 MiB at 15 MB/s on this machine."""
         store = await self._objects()
         name = name_or_digest.replace(":", "-")
-        sink = _Sink()
-        reading = asyncio.ensure_future(store.get(name, writeinto=sink))
-        try:
-            while not reading.done():
-                await asyncio.wait({reading}, timeout=min(stall_s, 5.0))
-                if not reading.done() and time.monotonic() - sink.at > stall_s:
-                    # nats-py's read leaves its ordered consumer subscribed when cancelled (rare: this path only).
-                    raise ObjectFetchTimeout(name, len(sink.data), stall_s)
-            reading.result()
-        finally:
-            if not reading.done():
-                reading.cancel()
-        data = bytes(sink.data)
+        info = await store.get_info(name)  # ObjectNotFoundError (a NotFoundError) when there is none
+        if info.nuid is None or info.nuid == "" or info.is_link():
+            raise ObjectStoreError(f"object {name!r}: not a stored object (a link, or no chunks)")
+        data = bytearray()
+        if info.size:
+            sub = await self.js.subscribe(f"$O.{self.bucket}.C.{info.nuid}", ordered_consumer=True)
+            try:
+                while True:
+                    try:
+                        msg = await sub.next_msg(timeout=stall_s)
+                    except nats.errors.TimeoutError:
+                        raise ObjectFetchTimeout(name, len(data), stall_s) from None
+                    data += msg.data
+                    if msg.metadata.num_pending == 0:
+                        break
+            finally:
+                with contextlib.suppress(nats.errors.Error):
+                    await sub.unsubscribe()
+        out = bytes(data)
+        digest = digest_of(out)
+        if len(out) != info.size or _nats_digest(digest) != info.digest:
+            raise ObjectDigestMismatch(name, info.digest or "", digest)
         expected = expected_digest or (name_or_digest if name_or_digest.startswith("sha256") else None)
-        if expected and digest_of(data) != expected.replace("-", ":", 1):
-            raise ObjectDigestMismatch(name, expected, digest_of(data))
-        return data
+        if expected and digest != expected.replace("-", ":", 1):
+            raise ObjectDigestMismatch(name, expected, digest)
+        return out
 
     async def delete_object(self, name_or_digest: str) -> bool:
         """Remove an object; False when there was none."""
@@ -138,20 +154,10 @@ class ObjectBlobStore:
         return True
 
 
-class _Sink(io.RawIOBase):
-    """Where an Object Store read writes its chunks (from a worker thread): the bytes, and when the last came."""
-
-    def __init__(self) -> None:
-        self.data = bytearray()
-        self.at = time.monotonic()
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b: Any) -> int:
-        self.data += b
-        self.at = time.monotonic()
-        return len(b)
+def _our_digest(nats_digest: str) -> str:
+    """The Object Store's digest (`SHA-256=<urlsafe base64>`) as ours, `sha256:<hex>`."""
+    raw = nats_digest.split("=", 1)[1] if nats_digest.upper().startswith("SHA-256=") else nats_digest
+    return "sha256:" + base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)).hex()
 
 
 def _nats_digest(digest: str) -> str:

@@ -130,6 +130,7 @@ class AdoptReply(_Frozen):
     fallback: str = ""  # why a move that tried KV recomputed instead ("" when it did not fall back)
     cached_tokens: int = 0  # prompt tokens the target's prefill took from the moved KV (or its prefix cache)
     seconds: float = 0.0
+    phases: dict[str, float] = Field(default_factory=dict)  # receive_s, load_s; recompute_s
 
 
 class DrainRequest(_Frozen):
@@ -147,6 +148,7 @@ class MigrationResult(_Frozen):
     seconds: float
     cached_tokens: int
     fallback: str = ""  # why a move that tried KV recomputed instead
+    phases: dict[str, float] = Field(default_factory=dict)  # save_s, send_s (source); receive_s, load_s (target)
 
 
 class DrainReply(_Frozen):

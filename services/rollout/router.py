@@ -5,6 +5,7 @@ session goes and how much of a prompt is sent are the rules of `routing.py`; thi
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -72,6 +73,11 @@ class WorkerDirectory:
     def candidates(self, exclude: str = "") -> list[WorkerStatus]:
         return [s for s in self.live() if s.worker_id != exclude]
 
+    def silent(self, worker_id: str) -> bool:
+        """Whether a worker that did beat has missed its beats for `stale_after_s` (died, hung, cut off)."""
+        seen = self.seen_at.get(worker_id)
+        return seen is not None and self.clock() - seen > self.stale_after_s
+
 
 class Router:
     def __init__(
@@ -81,11 +87,13 @@ class Router:
         *,
         max_attempts: int = 6,
         retry_after_s: float = 2.0,
+        watch_s: float = 1.0,
     ) -> None:
         self.directory = directory
         self.client = client
         self.max_attempts = max_attempts
         self.retry_after_s = retry_after_s
+        self.watch_s = watch_s  # how often a request in flight checks that its worker still beats
         self.placement: dict[str, str] = {}  # execution_id -> worker_id (sticky)
         self.preferred: dict[str, str] = {}  # execution_id -> the cell the scheduler placed it on
         self._mirrors: dict[tuple[str, str], SessionMirror] = {}
@@ -157,7 +165,7 @@ class Router:
                 sampling=sampling,
             )
             try:
-                reply = await self.client.generate(worker_id, request, prompt[base:])
+                reply = await self._generate_while_beating(worker_id, request, prompt[base:])
             except WorkerUnreachable as exc:
                 last = f"worker {worker_id} unreachable: {exc}"
                 self.log.warning("worker_unreachable", worker_id=worker_id, execution_id=execution_id)
@@ -188,6 +196,26 @@ class Router:
                 case _:
                     raise WorkerFailed(f"worker {worker_id}: {reply.detail}")
         raise NoCapacity(self.retry_after_s, f"gave up after {self.max_attempts} attempts; last: {last}")
+
+    async def _generate_while_beating(self, worker_id: str, request: GenerateRequest,
+                                      delta: np.ndarray) -> GenerateReply:
+        """The worker's answer, or WorkerUnreachable once it misses its status beats while the request waits (a
+        dead worker's in-flight request would otherwise wait out the transport's timeout, minutes): the caller
+        then places the execution on another worker, which recomputes it from the whole prompt."""
+        if self.directory.silent(worker_id):
+            raise WorkerUnreachable(f"{worker_id} missed its status beats")
+        call = asyncio.ensure_future(self.client.generate(worker_id, request, delta))
+        try:
+            while True:
+                done, _ = await asyncio.wait({call}, timeout=self.watch_s)
+                if done:
+                    return call.result()
+                if self.directory.silent(worker_id):
+                    raise WorkerUnreachable(f"{worker_id} missed its status beats while request "
+                                            f"{request.request_id} waited")
+        finally:
+            if not call.done():
+                call.cancel()
 
     def _drop_mirrors(self, execution_id: str) -> None:
         for key in [k for k in self._mirrors if k[0] == execution_id]:

@@ -36,7 +36,6 @@ from services.rollout.worker import RolloutWorker
 from shared.bus import Bus
 from shared.logging import get_logger
 from shared.objects import ObjectStore, ObjectStoreError
-from shared.tokens import digest_of
 from shared.worker_status import (
     WorkerStatus,
     ended_subject,
@@ -153,10 +152,10 @@ class NatsKvTransport:
     async def send(self, bundle: bytes, *, fingerprint: str, prompt_tokens: int) -> KvTicket:
         name = f"kv-{uuid.uuid4().hex}"
         try:
-            await self.objects.put_object(bundle, name=name)
+            digest = await self.objects.put_object(bundle, name=name)  # hashed as it is written
         except (nats.errors.Error, ObjectStoreError) as exc:
             raise KvTransferFailed(f"KV upload failed: {type(exc).__name__}: {exc}") from exc
-        return KvTicket(transport=self.name, object_name=name, digest=digest_of(bundle), bytes=len(bundle),
+        return KvTicket(transport=self.name, object_name=name, digest=digest, bytes=len(bundle),
                         fingerprint=fingerprint, prompt_tokens=prompt_tokens)
 
     async def receive(self, ticket: KvTicket) -> bytes:

@@ -358,10 +358,11 @@ class RolloutWorker:
             self.moved.pop(request.execution_id, None)
             method: Literal["kv", "recompute"] = "recompute"
             fallback, cached = request.fallback, 0
+            phases: dict[str, float] = {}
             try:
                 if request.kv is not None:
                     try:
-                        cached = await self._load_kv(session.history, request.kv, request.policy_version)
+                        cached = await self._load_kv(session.history, request.kv, request.policy_version, phases)
                         method = "kv"
                     except KvNotMoved as exc:
                         fallback = str(exc)
@@ -370,8 +371,10 @@ class RolloutWorker:
                 if method == "recompute":
                     prompt = self._prefill_limit(session.history)
                     if len(prompt) > 1:
+                        at = time.perf_counter()
                         out, _ = await self._engine_call(prompt, PREFILL_ONLY, f"adopt-{uuid.uuid4().hex}")
                         cached = out.cached_tokens
+                        phases["recompute_s"] = time.perf_counter() - at
             except WorkerStandingBy as exc:  # went to sleep while this waited: the source tries another
                 self.sessions.pop(key, None)
                 return AdoptReply(ok=False, detail=str(exc))
@@ -381,9 +384,12 @@ class RolloutWorker:
                     del self.sessions[key]
                 raise
         self._on_change()
-        return AdoptReply(ok=True, method=method, fallback=fallback, cached_tokens=cached, seconds=time.perf_counter() - started)
+        return AdoptReply(ok=True, method=method, fallback=fallback, cached_tokens=cached,
+                          seconds=time.perf_counter() - started, phases=phases)
 
-    async def _load_kv(self, history: np.ndarray, ticket: KvTicket, policy_version: int) -> int:
+    async def _load_kv(
+        self, history: np.ndarray, ticket: KvTicket, policy_version: int, phases: dict[str, float]
+    ) -> int:
         """Receive a session's KV, stage it for the engine and prefill its prompt from it; returns the prompt
         tokens the engine took from it. KvNotMoved (with the reason) when anything keeps it from loading whole:
         the caller recomputes. The bundle is checked before the engine sees it (digest, model, prompt), so a
@@ -406,15 +412,21 @@ class RolloutWorker:
         ids = prompt.tolist()
         self._kv_staged += ticket.bytes
         try:
+            at = time.perf_counter()
             try:
-                self.engine.import_kv(ids, await self.kv_transport.receive(ticket))
+                bundle = await self.kv_transport.receive(ticket)
+                phases["receive_s"] = time.perf_counter() - at
+                self.engine.import_kv(ids, bundle)
             except (KvTransferFailed, KvBundleError) as exc:
                 raise KvNotMoved(str(exc)) from exc
+            del bundle
+            at = time.perf_counter()
             try:
                 out, _ = await self._engine_call(prompt, PREFILL_ONLY, f"{KV_LOAD_PREFIX}{uuid.uuid4().hex}",
                                                  policy_version=policy_version)
             except PolicyChanged as exc:  # weights swapped while it arrived: KV of another policy stays out
                 raise KvNotMoved(f"saved KV is stale: {exc}") from exc
+            phases["load_s"] = time.perf_counter() - at  # staged on disk, then loaded by the engine's connector
         finally:
             self.engine.drop_kv(ids)
             self._kv_staged -= ticket.bytes
@@ -468,14 +480,16 @@ class RolloutWorker:
             seconds=time.perf_counter() - started,
         )
 
-    async def move_execution(self, execution_id: str, to_cell: str) -> list[MigrationResult]:
+    async def move_execution(
+        self, execution_id: str, to_cell: str, *, method: Literal["kv", "recompute"] | None = None
+    ) -> list[MigrationResult]:
         """Move one execution's sessions (every chain) to the worker serving `to_cell`, as the scheduler ordered.
 
         An order is a placement choice, not a must: when this worker drains (its drain moves everything), the
         execution has no session here (not started here yet, ended, moved), or the target is not an active
         worker, nothing moves; a target that refuses keeps the session where it is. Each move is reported with
-        `kv.migrated`, a move not made with `kv.migration_refused` (so the scheduler knows at once). Returns
-        what moved."""
+        `kv.migrated`, a move not made with `kv.migration_refused` (so the scheduler knows at once). `method`
+        forces KV or recompute (default: KV where this worker moves KV). Returns what moved."""
         log = self.log.bind(execution_id=execution_id, to_cell=to_cell)
 
         async def refuse(reason: str) -> list[MigrationResult]:
@@ -499,7 +513,8 @@ class RolloutWorker:
         results: list[MigrationResult] = []
         for session in sessions:
             try:
-                result = await self._migrate(session, DrainRequest(targets=(target.worker_id,)), only_preferred=True)
+                result = await self._migrate(session, DrainRequest(targets=(target.worker_id,), force_method=method),
+                                             only_preferred=True)
             except Exception as exc:  # refused or failed: the rest of the execution stays with it, here
                 log.warning("ordered_move_failed", chain_id=session.chain_id, error=f"{type(exc).__name__}: {exc}")
                 if not results:
@@ -531,9 +546,10 @@ class RolloutWorker:
         adopt = AdoptRequest(execution_id=session.execution_id, chain_id=session.chain_id,
                              history=TokenPayload(count=len(history)), from_worker=self.worker_id)
         ticket: KvTicket | None = None
+        phases: dict[str, float] = {}
         if (request.force_method or ("kv" if self.moves_kv else "recompute")) == "kv":
             try:
-                ticket, saved_by = await self._export_kv(history)
+                ticket, saved_by = await self._export_kv(history, phases)
             except KvNotMoved as exc:
                 self.log.warning("kv_export_failed", execution_id=session.execution_id, reason=str(exc))
                 adopt = adopt.model_copy(update={"fallback": str(exc)})
@@ -545,9 +561,10 @@ class RolloutWorker:
             if ticket is not None:  # the bundle is only in transit: gone once the target answered
                 assert self.kv_transport is not None
                 await self.kv_transport.discard(ticket)
+        reply = reply.model_copy(update={"phases": {**phases, **reply.phases}})
         return reply, (ticket.bytes if ticket is not None and reply.method == "kv" else 0)
 
-    async def _export_kv(self, history: np.ndarray) -> tuple[KvTicket, int]:
+    async def _export_kv(self, history: np.ndarray, phases: dict[str, float]) -> tuple[KvTicket, int]:
         """Save the session's KV through the engine's connector and send it; returns its ticket and the policy
         version that computed it. KvNotMoved with the reason when it cannot."""
         if not self.moves_kv:
@@ -557,6 +574,7 @@ class RolloutWorker:
         if prompt is None:
             raise KvNotMoved(f"no whole KV block to move in a history of {len(history)} tokens")
         ids = prompt.tolist()
+        at = time.perf_counter()
         try:
             _, saved_by = await self._engine_call(prompt, PREFILL_ONLY, f"{KV_SAVE_PREFIX}{uuid.uuid4().hex}")
             bundle = self.engine.export_kv(ids)
@@ -564,11 +582,14 @@ class RolloutWorker:
             raise KvNotMoved(f"KV export failed: {exc}") from exc
         finally:
             self.engine.drop_kv(ids)
+        sent = time.perf_counter()
+        phases["save_s"] = sent - at
         try:
             ticket = await self.kv_transport.send(bundle, fingerprint=self.engine.kv_fingerprint,
                                                   prompt_tokens=len(ids))
         except KvTransferFailed as exc:
             raise KvNotMoved(str(exc)) from exc
+        phases["send_s"] = time.perf_counter() - sent
         return ticket, saved_by
 
     async def _migrate(
@@ -616,6 +637,7 @@ class RolloutWorker:
             seconds=seconds,
             cached_tokens=reply.cached_tokens,
             fallback=reply.fallback,
+            phases={k: round(v, 4) for k, v in reply.phases.items()},
         )
         if self._emit is not None:
             await self._emit(
@@ -629,6 +651,7 @@ class RolloutWorker:
                         seconds=seconds,
                         method=reply.method,
                         fallback=reply.fallback,
+                        phases=result.phases,
                     )
                 ]
             )

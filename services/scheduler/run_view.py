@@ -132,6 +132,9 @@ class RunView:
     switch_samples: dict[Role, list[float]] = field(default_factory=dict)  # target role -> measured seconds
     migrated_tokens: float = 0.0  # over every kv.migrated: what the measured migration rate is made of
     migrated_s: float = 0.0
+    # Prompt tokens targets took from moved KV rather than prefill again; moves that tried KV and recomputed.
+    prefill_tokens_avoided: int = 0
+    kv_fallbacks: int = 0
     seen: set[uuid.UUID] = field(default_factory=set)
 
     def __post_init__(self) -> None:
@@ -180,6 +183,9 @@ class RunView:
                 else:
                     cell.served_version = cell.behind_since_s = None
             case KvMigrated():
+                if data.method == "kv":
+                    self.prefill_tokens_avoided += data.tokens
+                self.kv_fallbacks += bool(data.fallback)
                 if data.seconds > 0:
                     self.migrated_tokens += data.tokens
                     self.migrated_s += data.seconds

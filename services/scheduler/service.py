@@ -207,7 +207,9 @@ class SchedulerService(Service):
             if not self._announced_done:
                 self._announced_done = True
                 self.log.info("run_complete", steps=self.plan.total_steps,
-                              queries_dispatched=len(self.view.dispatched_numbers))
+                              queries_dispatched=len(self.view.dispatched_numbers),
+                              prefill_tokens_avoided=self.view.prefill_tokens_avoided,
+                              kv_fallbacks=self.view.kv_fallbacks)
             return []
         if len(self.view.cells) < self.sched.min_cells:
             return []

@@ -113,7 +113,8 @@ def test_an_elastic_run_reports_roles_and_world_size_per_step_and_each_switch_wi
         ev(KvMigrated(execution_id="x", from_cell="c1", to_cell="c0", tokens=500, bytes=10, seconds=0.2,
                       method="kv"), 70.5),
         ev(KvMigrated(execution_id="y", from_cell="c1", to_cell="c0", tokens=50, bytes=0, seconds=0.1,
-                      method="recompute"), 70.7),
+                      method="recompute", fallback="KV object kv-123: expected digest sha256:ab, read sha256:cd"),
+           70.7),
         ev(CellDrained(cell_id="c1", worker_id="w1", migrated_sessions=2, parked_sessions=0, seconds=0.7,
                        phases={"drain_s": 0.6, "sleep_s": 0.1}), 70.8),
         ev(CellReleased(cell_id="c1", from_role="rollout", migrated_sessions=2, seconds=0.8), 70.9),
@@ -134,9 +135,12 @@ def test_an_elastic_run_reports_roles_and_world_size_per_step_and_each_switch_wi
     assert moved["sessions_moved"] == {"kv": 1, "recompute": 1}
     assert moved["phases"] == {"drain_s": 0.6, "sleep_s": 0.1, "group_s": 0.5, "load_s": 0.4}
     assert report.migrations == {"kv": 1, "recompute": 1}
+    assert (report.prefill_tokens_avoided, report.kv_bytes_moved) == (500, 10)
+    assert report.kv_fallbacks == {"corrupted or truncated in transit": 1}
     assert [g["world_size"] for g in report.world_sizes] == [1, 2]
     text = "\n".join(summary_lines(report))
     assert "trainer world size per step: 1–2 (1 2)" in text
     assert "rollout→train ×1, median 2.00 s (1 warm)" in text and "3 first starts" in text
-    assert "sessions moved: 1 by kv, 1 by recompute" in text
+    assert "sessions moved: 1 by kv, 1 by recompute; re-prefill avoided: 500 tokens" in text
+    assert "KV moves that recomputed: 1× corrupted or truncated in transit" in text
     assert {f.name for f in write_report(report, tmp_path)} == {"report.json", "training_curve.png", "cell_timeline.png"}

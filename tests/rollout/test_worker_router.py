@@ -209,6 +209,43 @@ async def test_unreachable_worker_is_routed_around() -> None:
     assert stack.core.router.worker_of("exec-u") != first
 
 
+async def test_a_worker_that_stops_beating_mid_call_loses_the_call_to_another_worker_which_recomputes() -> None:
+    """A worker that died (or hung) with a call in flight answers nothing, and its transport would wait minutes:
+    once it misses its status beats the router places the execution elsewhere and sends the whole prompt."""
+    hung = asyncio.Event()
+
+    class DyingEngine(ScriptedEngine):
+        async def generate(self, prompt, sampling, request_id):
+            if request_id == "call-1":
+                hung.set()
+                await asyncio.Event().wait()  # never answers
+            return await super().generate(prompt, sampling, request_id)
+
+    now = [0.0]
+    local, directory = LocalWorkers(), WorkerDirectory(stale_after_s=5.0, clock=lambda: now[0])
+    workers = [local.add(RolloutWorker(e, worker_id=f"w{i}", cell_id=f"c{i}"))
+               for i, e in enumerate([DyingEngine(CODEC), ScriptedEngine(CODEC)])]
+    for w in workers:
+        directory.update(w.status())
+    router = Router(directory, local, watch_s=0.01)
+    router.prefer("e", "c0")
+    prompt = np.arange(100, 140, dtype=np.int32)
+    first = await router.generate(execution_id="e", chain_id="main", prompt=prompt,
+                                  sampling=SamplingSpec(max_tokens=8), request_id="call-0")
+    assert first.worker_id == "w0"
+    prompt = np.concatenate([prompt, first.completion, np.arange(200, 210, dtype=np.int32)]).astype(np.int32)
+    call = asyncio.create_task(router.generate(execution_id="e", chain_id="main", prompt=prompt,
+                                               sampling=SamplingSpec(max_tokens=8), request_id="call-1"))
+    await hung.wait()
+    await asyncio.sleep(0.05)
+    assert not call.done()  # still beating: the request waits
+    now[0] = 6.0
+    directory.update(workers[1].status())  # w1 beats on, w0 has gone silent
+    reply = await asyncio.wait_for(call, timeout=5)
+    assert reply.status == "ok" and reply.worker_id == "w1" and router.worker_of("e") == "w1"
+    assert workers[1].engine.prompts == [prompt.tolist()]  # recomputed from the whole prompt
+
+
 def test_router_places_least_loaded_and_sticks() -> None:
     directory = WorkerDirectory(stale_after_s=1e9)
     workers = LocalWorkers()

@@ -273,6 +273,7 @@ def test_a_warm_switch_makes_the_cell_serve_its_new_role_only_from_cell_ready_wh
     assert [(e.cell_id, e.migrating) for e in v.snapshot(0).live] == [("a", True), ("b", False)]
     v.apply(log(KvMigrated(execution_id=eid(0, 0), from_cell="a", to_cell="b", tokens=8, bytes=80, seconds=0.5,
                            method="kv")))
+    assert (v.prefill_tokens_avoided, v.kv_fallbacks) == (8, 0)  # what the target did not prefill again
     v.apply(log(drained("a", migrated=1)))
     v.apply(log(CellReleased(cell_id="a", from_role="rollout", migrated_sessions=1, seconds=0.4)))
     assert state("a") == (Role.TRAIN, CellState.SWITCHING) and decided("a") == []  # the rank is not in yet
