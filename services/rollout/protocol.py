@@ -76,6 +76,9 @@ class GenerateRequest(_Frozen):
     base_digest: str = ""  # digest of history[:base_len]; "" when base_len == 0
     delta: TokenPayload
     sampling: SamplingSpec
+    # The worker this execution moved to is gone (unreachable): serve it here from the whole prompt (base 0)
+    # instead of answering `moved` again.
+    reclaim: bool = False
 
 
 ReplyStatus = Literal["ok", "resync", "moved", "draining", "ended", "error"]

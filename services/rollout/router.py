@@ -148,6 +148,7 @@ class Router:
         """Send the prompt as a delta against what the execution's worker holds; follow moves and drains."""
         key = (execution_id, chain_id)
         excluded: set[str] = set()
+        reclaim: set[str] = set()  # workers whose sessions of this execution moved to a worker now excluded
         last = ""
         for _ in range(self.max_attempts):
             worker_id = self.placement.get(execution_id)
@@ -163,12 +164,13 @@ class Router:
                 base_digest=tokens_digest(prompt[:base]) if base else "",
                 delta=TokenPayload(count=len(prompt) - base),
                 sampling=sampling,
+                reclaim=worker_id in reclaim and base == 0,
             )
             try:
                 reply = await self._generate_while_beating(worker_id, request, prompt[base:])
             except WorkerUnreachable as exc:
                 last = f"worker {worker_id} unreachable: {exc}"
-                self.log.warning("worker_unreachable", worker_id=worker_id, execution_id=execution_id)
+                self.log.warning("worker_unreachable", worker_id=worker_id, execution_id=execution_id, error=str(exc))
                 self.directory.unreachable.add(worker_id)
                 excluded.add(worker_id)
                 self._drop_mirrors(execution_id)
@@ -179,6 +181,12 @@ class Router:
                     return reply
                 case "moved":
                     assert reply.moved_to is not None
+                    if reply.moved_to in excluded:
+                        # It moved to a worker that is gone: the one it left serves it again, from the whole prompt.
+                        reclaim.add(worker_id)
+                        self._drop_mirrors(execution_id)
+                        last = f"moved from {worker_id} to {reply.moved_to}, which is unreachable"
+                        continue
                     self.placement[execution_id] = reply.moved_to
                     # The session's history moved with it, so the mirror stays valid on the new worker.
                     for k, m in self._mirrors.items():

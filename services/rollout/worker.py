@@ -165,7 +165,10 @@ class RolloutWorker:
         session = self.sessions.get(key)
         if session is None:
             moved_to = self.moved.get(request.execution_id)  # per execution: its chains move together
-            if moved_to is not None:
+            if moved_to is not None and request.reclaim and request.base_len == 0:
+                self.log.info("moved_session_reclaimed", execution_id=request.execution_id, moved_to=moved_to)
+                self.moved.pop(request.execution_id)  # its target is gone: it starts here again, recomputed
+            elif moved_to is not None:
                 return GenerateReply(status="moved", moved_to=moved_to, detail="session migrated", **ids)
             if self.state != "active":
                 return self._not_serving(ids)

@@ -246,6 +246,27 @@ async def test_a_worker_that_stops_beating_mid_call_loses_the_call_to_another_wo
     assert workers[1].engine.prompts == [prompt.tolist()]  # recomputed from the whole prompt
 
 
+async def test_an_execution_whose_target_died_after_a_move_is_served_again_where_it_came_from() -> None:
+    """The worker a session moved to is gone: the worker it left would answer `moved` for ever, so the router
+    asks it to reclaim the execution, and it serves the whole prompt (a recompute)."""
+    stack = build_stack([ScriptedEngine(CODEC), ScriptedEngine(CODEC)], CODEC)
+    client = stack.anthropic(stack.token("exec-d"))
+    stack.local.workers["w1"].state = "draining"
+    stack.refresh()
+    await client.messages.create(model="tiny", max_tokens=50, messages=USER)
+    stack.local.workers["w1"].state = "active"
+    stack.refresh()
+    [moved] = await stack.local.workers["w0"].move_execution("exec-d", "cell-1")
+    assert moved.to_worker == "w1"
+    stack.local.down.add("w1")  # it dies
+    turn2 = USER + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
+    await client.messages.create(model="tiny", max_tokens=50, messages=turn2)
+    calls = stack.recorder.calls("exec-d")
+    assert [c.cell_id for c in calls] == ["cell-0", "cell-0"]
+    assert stack.core.router.worker_of("exec-d") == "w0" and "exec-d" not in stack.local.workers["w0"].moved
+    assert stack.engines[0].prompts[-1][: len(stack.engines[0].prompts[0])] == stack.engines[0].prompts[0]
+
+
 def test_router_places_least_loaded_and_sticks() -> None:
     directory = WorkerDirectory(stale_after_s=1e9)
     workers = LocalWorkers()
