@@ -8,6 +8,7 @@ prefix cache emptied first, so A prefills the whole history), each through the w
 after each move says how much of its prompt the engine took from cache (the re-prefill avoided).
 
     python bench/kv_migration.py [--lengths 4096,16384,65536] [--model-size tiny|wide] [--drain-sessions 4]
+    python bench/kv_migration.py --connector nixl --dtype bfloat16 --model-dir …   # a node with two GPUs
 
 Last line: JSON with `speedup_<n>k` (recompute seconds ÷ transfer seconds) at each length and
 `shared_folder: false`; the line before it has the details.
@@ -154,15 +155,24 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                "max_model_len": max_len}
     with servers() as infra:
         bus = await Bus.connect(infra.nats_url, prefix=f"bench-kv-{os.getpid()}")
-        engines = [VllmEngine.start(VllmConfig(model=model_dir, max_model_len=max_len,
-                                               kv_storage=work / f"kv-{name}")) for name in ("a", "b")]
+        engines = []
+        for i, name in enumerate("ab"):
+            if args.connector == "nixl":
+                # GPU nodes: one GPU and one NIXL side channel per engine (the engine process inherits these).
+                os.environ["CUDA_VISIBLE_DEVICES"] = str(i)
+                os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(args.nixl_port + i)
+            engines.append(VllmEngine.start(VllmConfig(
+                model=model_dir, max_model_len=max_len, dtype=args.dtype, kv_connector=args.connector,
+                kv_storage=work / f"kv-{name}" if args.connector == "gyre" else None)))
         try:
             peers = _Peers()
             transport = NatsKvTransport(bus.kv_objects)
             wa, wb = (RolloutWorker(e, worker_id=f"w-{n}", cell_id=f"cell-{n}", peers=peers, kv_transport=transport)
                       for e, n in zip(engines, "ab", strict=True))
             peers.workers = {wa.worker_id: wa, wb.worker_id: wb}
-            details["shared_folder"] = engines[0].config.kv_storage == engines[1].config.kv_storage
+            details["shared_folder"] = engines[0].config.kv_storage is not None and \
+                engines[0].config.kv_storage == engines[1].config.kv_storage
+            details["connector"] = args.connector
             for e in engines:
                 await e.warm_up()
             rng = np.random.default_rng(args.seed)
@@ -184,7 +194,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             shutil.rmtree(work, ignore_errors=True)
     print(json.dumps({"details": details}))
     out: dict[str, Any] = {"bench": "kv_migration", "model": args.model_dir or args.model_size,
-                           "shared_folder": details["shared_folder"]}
+                           "connector": args.connector, "shared_folder": details["shared_folder"]}
     for length in lengths:
         d = details["lengths"][str(length)]
         key = f"{length // 1024}k" if length % 1024 == 0 else str(length)
@@ -209,6 +219,11 @@ def main() -> None:
                         help="the created model: tiny (the demo's) or wide (a real model's compute per KV byte, "
                              "within 5×)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32", help="the engines' dtype (fp32 on CPU; bfloat16 on GPUs)")
+    parser.add_argument("--connector", default="gyre", choices=["gyre", "nixl"],
+                        help="gyre: the KV itself over NATS; nixl (two GPUs): blocks device to device, only their "
+                             "descriptor over NATS")
+    parser.add_argument("--nixl-port", type=int, default=5600, help="first NIXL side-channel port (nixl only)")
     print(json.dumps(asyncio.run(run(parser.parse_args()))))
 
 

@@ -6,17 +6,26 @@ imports it.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from services.rollout.engine_port import EngineError, EngineOutput
+from services.rollout.kv_handoff import KV_LOAD_PREFIX, KV_SAVE_PREFIX
 from services.rollout.protocol import SamplingSpec
 
 RESET_ATTEMPTS = 50  # tries, 0.1 s apart, to drop the prefix cache after a weight swap
+NIXL_DESCRIPTOR = "nixl.json"  # the one file of a NIXL bundle: where the saved blocks are to be pulled from
+
+
+def _prompt_key(prompt: list[int], block_size: int) -> str:
+    from services.rollout.kv_connector import kv_folder_name
+
+    return kv_folder_name(prompt, block_size)
 
 
 @dataclass(frozen=True)
@@ -28,6 +37,10 @@ class VllmConfig:
     # This worker's own folder for the KV connector's files of sessions in transit (saved before a move, loaded
     # after one); shared with no other worker: the KV transport carries them. None: migrate by recompute only.
     kv_storage: Path | None = None
+    # Which connector saves and loads a moved session's KV: "gyre" (files in `kv_storage`, carried by the KV
+    # transport) or "nixl" (GPU nodes: vLLM's NixlConnector pulls the blocks device to device; the KV transport
+    # then carries only their descriptor). See docs/rollout.md, "KV transport".
+    kv_connector: Literal["gyre", "nixl"] = "gyre"
     gpu_memory_utilization: float = 0.5
     max_num_seqs: int = 64
     # vLLM's sleep mode (level 1: weights to host memory, KV cache freed). None: where the platform has it (CUDA,
@@ -91,8 +104,11 @@ class VllmEngine:
         vcfg = llm.vllm_config
         self.max_model_len: int = int(vcfg.model_config.max_model_len)
         self.block_size: int = int(vcfg.cache_config.block_size)
-        self.kv_transfer = config.kv_storage is not None
+        self.kv_transfer = config.kv_storage is not None or config.kv_connector == "nixl"
         self.kv_fingerprint = kv_fingerprint(vcfg, self.block_size)
+        # NIXL: descriptors of blocks a save request left for a peer to pull, and those a peer sent for a load.
+        self._nixl_saved: dict[tuple[int, ...], dict[str, Any]] = {}
+        self._nixl_staged: dict[tuple[int, ...], dict[str, Any]] = {}
         self.sleep_mode = bool(vcfg.model_config.enable_sleep_mode)
         self.asleep = False
 
@@ -102,7 +118,11 @@ class VllmEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         kv_transfer: dict[str, Any] | None = None
-        if config.kv_storage is not None:
+        if config.kv_connector == "nixl":
+            # Both roles in every engine: a worker is a source for the sessions it moves and a target for those it
+            # adopts. The side channel (VLLM_NIXL_SIDE_CHANNEL_HOST/PORT) must be reachable from the other nodes.
+            kv_transfer = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+        elif config.kv_storage is not None:
             config.kv_storage.mkdir(parents=True, exist_ok=True)
             kv_transfer = {
                 "kv_connector": "GyreKVConnector",
@@ -145,6 +165,7 @@ class VllmEngine:
             seed=sampling.seed,
             stop=list(sampling.stop) or None,
             logprobs=0,  # 0: only the sampled token's logprob
+            extra_args=self._nixl_params(prompt, request_id),
         )
         final = None
         ids = prompt if type(prompt) is list else list(prompt)  # taken as given: a copy costs ~10 ms a million ids
@@ -152,6 +173,10 @@ class VllmEngine:
             final = out
         if final is None or not final.outputs:
             raise EngineError(f"engine returned no output for request {request_id}")
+        if self.config.kv_connector == "nixl" and request_id.startswith(KV_SAVE_PREFIX):
+            if not final.kv_transfer_params:
+                raise EngineError(f"NIXL save request {request_id} returned no block descriptor")
+            self._nixl_saved[tuple(prompt)] = dict(final.kv_transfer_params)
         out = final.outputs[0]
         token_ids = [int(t) for t in out.token_ids]
         logprobs: list[float] = []
@@ -238,6 +263,17 @@ class VllmEngine:
 
         return self.config.kv_storage / kv_folder_name(prompt, self.block_size)
 
+    def _nixl_params(self, prompt: list[int], request_id: str) -> dict[str, Any] | None:
+        """NIXL: a save request keeps its blocks for a peer to pull (`do_remote_decode`); a load request pulls the
+        blocks its staged descriptor names (`do_remote_prefill`). Other requests, and the file connector: none."""
+        if self.config.kv_connector != "nixl":
+            return None
+        if request_id.startswith(KV_SAVE_PREFIX):
+            return {"kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
+        if request_id.startswith(KV_LOAD_PREFIX) and (staged := self._nixl_staged.get(tuple(prompt))) is not None:
+            return {"kv_transfer_params": {**staged, "do_remote_prefill": True, "do_remote_decode": False}}
+        return None
+
     def kv_bytes(self, prompt: list[int]) -> int:
         folder = self._kv_folder(prompt)
         if folder is None or not folder.is_dir():
@@ -249,6 +285,14 @@ class VllmEngine:
         KvBundleError when nothing was saved."""
         from services.rollout.kv_bundle import KvBundleError, KvManifest, pack_bundle
 
+        if self.config.kv_connector == "nixl":  # the blocks stay in this engine; the bundle says where they are
+            descriptor = self._nixl_saved.pop(tuple(prompt), None)
+            if descriptor is None:
+                raise KvBundleError("the engine saved no KV for the prompt")
+            data = json.dumps(descriptor, sort_keys=True).encode()
+            manifest = KvManifest(fingerprint=self.kv_fingerprint, folder=_prompt_key(prompt, self.block_size),
+                                  prompt_tokens=len(prompt), files=((NIXL_DESCRIPTOR, len(data)),))
+            return pack_bundle(manifest, {NIXL_DESCRIPTOR: data})
         folder = self._kv_folder(prompt)
         if folder is None or not folder.is_dir():
             raise KvBundleError("the engine saved no KV for the prompt")
@@ -271,6 +315,17 @@ class VllmEngine:
         if manifest.fingerprint != self.kv_fingerprint:
             raise KvBundleError(f"KV of another model ({manifest.fingerprint[:16]}…, this engine serves "
                                 f"{self.kv_fingerprint[:16]}…)")
+        if self.config.kv_connector == "nixl":
+            if set(files) != {NIXL_DESCRIPTOR}:
+                raise KvBundleError(f"expected a NIXL block descriptor, the bundle holds {sorted(files)}")
+            if manifest.folder != _prompt_key(prompt, self.block_size) or manifest.prompt_tokens != len(prompt):
+                raise KvBundleError(f"KV saved for another prompt ({manifest.prompt_tokens} tokens; expected "
+                                    f"{len(prompt)})")
+            try:
+                self._nixl_staged[tuple(prompt)] = dict(json.loads(files[NIXL_DESCRIPTOR]))
+            except ValueError as exc:
+                raise KvBundleError(f"NIXL block descriptor unreadable: {exc}") from exc
+            return len(bundle)
         folder = self._kv_folder(prompt)
         if folder is None:
             raise KvBundleError("this engine has no KV connector")
@@ -286,6 +341,8 @@ class VllmEngine:
         return len(bundle)
 
     def drop_kv(self, prompt: list[int]) -> None:
+        self._nixl_saved.pop(tuple(prompt), None)
+        self._nixl_staged.pop(tuple(prompt), None)
         folder = self._kv_folder(prompt)
         if folder is None or not folder.is_dir():
             return

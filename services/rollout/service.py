@@ -78,6 +78,9 @@ class RolloutSettings(BaseSettings):
     # does). Unset: `<state_dir>/kv/<worker_id>`.
     kv_storage: Path | None = None
     kv_staging_bytes: int = Field(default=KV_STAGING_BYTES, ge=0)  # KV received and not yet loaded, at most
+    # Which connector saves and loads the KV: "gyre" (files, carried whole by the transport) or "nixl" (GPU nodes:
+    # the blocks go device to device, the transport carries their descriptor).
+    kv_connector: Literal["gyre", "nixl"] = "gyre"
     heartbeat_s: float = 1.0
     # Start in standby (engine loaded, warmed up and asleep; no `weights.loaded`) until the cell is released to
     # rollout: the cell agent's second, warm process on a cell that starts in another role.
@@ -131,12 +134,13 @@ class RolloutWorkerService(Service):
         t0 = time.perf_counter()
         worker_id = r.worker_id or r.cell_id
         kv_storage = None
-        if r.kv_transport != "none":
+        if r.kv_transport != "none" and r.kv_connector == "gyre":
             kv_storage = r.kv_storage or Path(self.settings.state_dir) / "kv" / worker_id
             shutil.rmtree(kv_storage, ignore_errors=True)  # what a dead process left in transit is no one's now
         self.engine = VllmEngine.start(
             VllmConfig(model=self.settings.model_dir, max_model_len=r.max_model_len, dtype=r.dtype,
-                       kv_storage=kv_storage, sleep_mode=r.sleep_mode)
+                       kv_storage=kv_storage, sleep_mode=r.sleep_mode,
+                       kv_connector=r.kv_connector if r.kv_transport != "none" else "gyre")
         )
         directory = WorkerDirectory()
         self._watch = await watch_statuses(self.bus, directory)
