@@ -152,7 +152,7 @@ class NatsKvTransport:
     async def send(self, bundle: bytes, *, fingerprint: str, prompt_tokens: int) -> KvTicket:
         name = f"kv-{uuid.uuid4().hex}"
         try:
-            digest = await self.objects.put_object(bundle, name=name)  # hashed as it is written
+            digest = await self.objects.put_object(bundle, name=name)
         except (nats.errors.Error, ObjectStoreError) as exc:
             raise KvTransferFailed(f"KV upload failed: {type(exc).__name__}: {exc}") from exc
         return KvTicket(transport=self.name, object_name=name, digest=digest, bytes=len(bundle),

@@ -130,6 +130,7 @@ class RolloutWorker:
         self.kv_transport = kv_transport
         self.kv_staging_bytes = kv_staging_bytes
         self._kv_staged = 0  # bytes of KV received for adoptions and not yet loaded
+        self._cleanups: set[asyncio.Future[None]] = set()
         self._on_change = on_change or (lambda: None)
         self._open = asyncio.Event()  # closed while weights are swapped or the engine sleeps or wakes
         self._open.set()
@@ -562,10 +563,28 @@ class RolloutWorker:
             reply = await self.peers.adopt(target.worker_id, adopt, history)
         finally:
             if ticket is not None:  # the bundle is only in transit: gone once the target answered
-                assert self.kv_transport is not None
-                await self.kv_transport.discard(ticket)
+                self._discard_soon(ticket)
         reply = reply.model_copy(update={"phases": {**phases, **reply.phases}})
         return reply, (ticket.bytes if ticket is not None and reply.method == "kv" else 0)
+
+    def _discard_soon(self, ticket: KvTicket) -> None:
+        """Delete a sent bundle after the move, off its path (deleting 16 MiB from the Object Store takes ~20 ms the
+        session need not wait for); one that fails is left to the bucket's expiry."""
+        assert self.kv_transport is not None
+        task = asyncio.ensure_future(self.kv_transport.discard(ticket))
+        self._cleanups.add(task)
+
+        def done(t: asyncio.Future[None]) -> None:
+            self._cleanups.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                self.log.warning("kv_discard_failed", object_name=ticket.object_name, error=str(t.exception()))
+
+        task.add_done_callback(done)
+
+    async def settled(self) -> None:
+        """Wait for the cleanups still running (sent bundles being deleted)."""
+        while self._cleanups:
+            await asyncio.gather(*list(self._cleanups), return_exceptions=True)
 
     async def _export_kv(self, history: np.ndarray, phases: dict[str, float]) -> tuple[KvTicket, int]:
         """Save the session's KV through the engine's connector and send it; returns its ticket and the policy

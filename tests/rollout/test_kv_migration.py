@@ -60,6 +60,7 @@ async def test_a_drain_moves_the_session_by_its_kv_and_the_next_call_reuses_it()
     assert moved.bytes > 0 and moved.cached_tokens > 0
     target = stack.engines[1]
     assert target.kv_loads == [moved.cached_tokens] and target.kv_staged == {}
+    await stack.local.workers["w0"].settled()
     assert transport.objects == {}  # the bundle was only in transit
     [event] = [e for e in events if isinstance(e, KvMigrated)]
     assert (event.method, event.tokens, event.bytes, event.fallback) == ("kv", moved.cached_tokens, moved.bytes, "")
