@@ -38,6 +38,7 @@ from shared.events import (
     ExecutionScored,
     ExecutionStarted,
     ExecutionTimedOut,
+    KvMigrated,
 )
 from shared.settings import load_settings, new_run_id
 
@@ -154,8 +155,13 @@ def _view(events: list[Event], procs: list[Proc], steps: int, elapsed: float) ->
     counts = Counter(e.type for e in events)
     rewards: dict[int, list[float]] = {}
     step_of: dict[str, int] = {}
+    moved = Counter[str]()
+    avoided = 0
     for e in events:
         match e.data:
+            case KvMigrated() as d:
+                moved[d.method] += 1
+                avoided += d.tokens if d.method == "kv" else 0
             case CellAssigned() as d:
                 roles[d.cell_id] = f"{d.role} (switching)"
             case CellReady() as d:
@@ -174,6 +180,8 @@ def _view(events: list[Event], procs: list[Proc], steps: int, elapsed: float) ->
         table.add_row(f"cell {cell}", role)
     table.add_row("executions running", str(len(running)))
     table.add_row("executions scored", str(counts["execution.scored"]))
+    table.add_row("sessions moved", f"{moved['kv']} by KV, {moved['recompute']} recomputed; "
+                                    f"re-prefill avoided {avoided:,} tokens")
     for step, values in sorted(rewards.items()):
         table.add_row(f"step {step} reward", f"{sum(values) / len(values):.3f} over {len(values)}")
     table.add_row("processes", ", ".join(

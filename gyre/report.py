@@ -264,10 +264,9 @@ def summary_lines(report: RunReport) -> list[str]:
             f"; {a}→{b} ×{len(v)}, median {_median([s['seconds'] for s in v]):.2f} s"
             + (f" ({sum(1 for s in v if s['warm'])} warm)" if any(s["warm"] is not None for s in v) else "")
             for (a, b), v in sorted(by_kind.items())))
-    if report.migrations:
-        lines.append("sessions moved: " + ", ".join(f"{n} by {m}" for m, n in report.migrations.items())
-                     + f"; re-prefill avoided: {report.prefill_tokens_avoided:,} tokens "
-                     f"({report.kv_bytes_moved / 2**20:.1f} MiB of KV moved)")
+    moved = ", ".join(f"{n} by {m}" for m, n in report.migrations.items()) or "none"
+    lines.append(f"sessions moved: {moved}; re-prefill avoided: {report.prefill_tokens_avoided:,} tokens "
+                 f"({report.kv_bytes_moved / 2**20:.1f} MiB of KV moved)")
     if report.kv_fallbacks:
         lines.append("KV moves that recomputed: " + "; ".join(f"{n}× {r}" for r, n in report.kv_fallbacks.items()))
     return lines
