@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import contextlib
+import hashlib
 import json
 from datetime import UTC, datetime
 from typing import Any
@@ -20,6 +22,9 @@ from shared.events import BlobRef
 from shared.tokens import digest_of
 
 
+# One thread hashes objects as they are written and read: hashlib releases the GIL, so it runs beside the
+# transfer; one, so a read's chunks are hashed in order.
+_HASHER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="object-hash")
 CHUNK_BYTES = 128 * 1024  # nats-py's chunk size: objects written here read back with its `get` too
 ACK_TIMEOUT_S = 30.0  # for a chunk's store acknowledgement
 
@@ -65,22 +70,27 @@ class ObjectStore:
         Under its digest an object is written once: a second put of the same bytes (a trainer publishing
         weights a step did not change, say) is skipped, because the Object Store replaces an object by writing
         new chunks and purging the old ones, and a reader still on the old chunks would then wait for ever.
-        A put under an explicit `name` replaces what is there."""
-        digest = digest_of(data)
+        A put under an explicit `name` replaces what is there. Its bytes are hashed on a thread while the chunks
+        go out (hashlib lets go of the GIL): the digest, needed only for the meta written last, costs no time."""
         store = await self._objects()
-        key = name or digest.replace(":", "-")
+        if name is None:
+            digest = digest_of(data)
+            key = digest.replace(":", "-")
+            hashing: asyncio.Future[str] | None = None
+        else:
+            key, hashing = name, asyncio.get_running_loop().run_in_executor(_HASHER, digest_of, data)
         try:
             info = await store.get_info(key)
         except nats.js.errors.NotFoundError:
             info = None
-        if name is None and info is not None and info.size == len(data) and info.digest == _nats_digest(digest):
+        if hashing is None and info is not None and info.size == len(data) and info.digest == _nats_digest(digest):
             return digest
-        await self._write(key, data, digest)
+        digest = await self._write(key, data, hashing or digest)
         if info is not None and not info.deleted and info.nuid:
             await self.js.purge_stream(f"OBJ_{self.bucket}", subject=f"$O.{self.bucket}.C.{info.nuid}")
         return digest
 
-    async def _write(self, key: str, data: bytes, digest: str) -> None:
+    async def _write(self, key: str, data: bytes, digest: str | asyncio.Future[str]) -> str:
         """Write an object as nats-py's `put` lays it out (chunks under a fresh id, then the meta record that
         names them), but with the chunks pipelined: nats-py waits for each chunk's ack before sending the next,
         128 round trips for 16 MiB; here every chunk goes out at once and the acks are awaited together. The
@@ -103,6 +113,8 @@ class ObjectStore:
                 reply = {} if status else json.loads(msg.data)
                 if status or "error" in reply:
                     raise ObjectStoreError(f"object {key!r}: a chunk was not stored: {status or reply['error']}")
+            if not isinstance(digest, str):
+                digest = await digest
             meta = api.ObjectInfo(name=key, bucket=self.bucket, nuid=nuid, size=len(data), chunks=count,
                                   mtime=datetime.now(UTC).isoformat(), digest=_nats_digest(digest),
                                   options=api.ObjectMetaOptions(max_chunk_size=CHUNK_BYTES))
@@ -116,6 +128,7 @@ class ObjectStore:
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+        return digest
 
     async def get_object(
         self, name_or_digest: str, *, expected_digest: str | None = None, stall_s: float = 60.0
@@ -133,6 +146,9 @@ class ObjectStore:
         if info.nuid is None or info.nuid == "" or info.is_link():
             raise ObjectStoreError(f"object {name!r}: not a stored object (a link, or no chunks)")
         data = bytearray()
+        # Each chunk is hashed on a thread as it arrives (in order: one thread), overlapping the transfer.
+        h = hashlib.sha256()
+        hashed: list[concurrent.futures.Future[None]] = []
         if info.size:
             sub = await self.js.subscribe(f"$O.{self.bucket}.C.{info.nuid}", ordered_consumer=True)
             try:
@@ -142,13 +158,16 @@ class ObjectStore:
                     except nats.errors.TimeoutError:
                         raise ObjectFetchTimeout(name, len(data), stall_s) from None
                     data += msg.data
+                    hashed.append(_HASHER.submit(h.update, msg.data))
                     if msg.metadata.num_pending == 0:
                         break
             finally:
                 with contextlib.suppress(nats.errors.Error):
                     await sub.unsubscribe()
+        if hashed:
+            await asyncio.wrap_future(hashed[-1])
         out = bytes(data)
-        digest = digest_of(out)
+        digest = "sha256:" + h.hexdigest()
         if len(out) != info.size or _nats_digest(digest) != info.digest:
             raise ObjectDigestMismatch(name, info.digest or "", digest)
         expected = expected_digest or (name_or_digest if name_or_digest.startswith("sha256") else None)
