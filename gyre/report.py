@@ -75,6 +75,13 @@ class RunReport:
     unique_tokens: int = 0
     flat_tokens: int = 0
     dedup_factor: float | None = None
+    # The trajectory cap over the trained executions: trajectories before and after it, executions it cut, and
+    # the target tokens it left untrained.
+    trained_executions: int = 0
+    trajectories_before_cap: int = 0
+    trajectories_after_cap: int = 0
+    capped_executions: int = 0
+    cap_dropped_targets: int = 0
     switches: list[dict[str, Any]] = field(default_factory=list)
     timeline: list[dict[str, Any]] = field(default_factory=list)
     world_sizes: list[dict[str, Any]] = field(default_factory=list)  # trainer.group_formed: t, world size, why
@@ -143,6 +150,11 @@ def build_report(run_id: str, events: Sequence[Event]) -> RunReport:
             report.unique_tokens += data.unique_tokens
             report.flat_tokens += data.flat_tokens
             report.stale_executions += data.stale_executions
+            report.trained_executions += data.executions
+            report.trajectories_before_cap += data.trajectories_before_cap
+            report.trajectories_after_cap += data.trajectories_after_cap
+            report.capped_executions += data.capped_executions
+            report.cap_dropped_targets += data.dropped_targets
         elif isinstance(data, StepCompleted):
             completed[data.step] = data
             roles_at[data.step] = dict(sorted(Counter(serving.values()).items()))
@@ -247,6 +259,11 @@ def summary_lines(report: RunReport) -> list[str]:
         )
     if report.dedup_factor is not None:
         lines.append(f"tokens: {report.unique_tokens} unique, {report.flat_tokens} flat (dedup ×{report.dedup_factor:.2f})")
+    if report.trajectories_before_cap:
+        n = max(report.trained_executions, 1)
+        lines.append(f"trajectories per execution: {report.trajectories_before_cap / n:.2f} before the cap, "
+                     f"{report.trajectories_after_cap / n:.2f} after; the cap cut {report.capped_executions} "
+                     f"executions and left {report.cap_dropped_targets} target tokens untrained")
     if report.branches:
         lines.append("branches: " + ", ".join(f"{k} {v}" for k, v in report.branches.items()))
     sizes = sorted({r.world_size for r in report.steps if r.world_size is not None})

@@ -367,7 +367,8 @@ class ExecutionScored(_Extended):
 @register
 class BatchReady(_Extended):
     TYPE: ClassVar[str] = "batch.ready"
-    WRITTEN_WHEN_SET: ClassVar[tuple[str, ...]] = ("stale_executions",)
+    WRITTEN_WHEN_SET: ClassVar[tuple[str, ...]] = ("stale_executions", "trajectories_before_cap",
+                                                   "trajectories_after_cap", "capped_executions", "dropped_targets")
     step: int = Field(ge=0)
     batch: BlobRef
     query_ids: list[str]
@@ -382,6 +383,12 @@ class BatchReady(_Extended):
     # Executions left out because a target was generated beyond the staleness bound (their reward still counts
     # in their group's normalisation).
     stale_executions: int = Field(default=0, ge=0)
+    # What the trajectory cap did (0 in batches written before these were recorded): root-to-leaf trajectories
+    # of the batch's executions before and after it, executions it cut, target tokens left untrained.
+    trajectories_before_cap: int = Field(default=0, ge=0)
+    trajectories_after_cap: int = Field(default=0, ge=0)
+    capped_executions: int = Field(default=0, ge=0)
+    dropped_targets: int = Field(default=0, ge=0)
 
 
 @register

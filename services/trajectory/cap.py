@@ -1,7 +1,11 @@
 """The trajectory cap: keep at most K root-to-leaf trajectories per execution (SPEC §5).
 
-Greedy and deterministic: repeatedly keep the leaf whose path holds the most not-yet-covered target tokens,
-ties broken by the earliest call (the call the leaf's last token came from). Targets on no kept path are not trained.
+Greedy and deterministic: first the trajectory that holds the execution's final call (the last call with a
+target: the work the grade judges; `keep_final`), then repeatedly the leaf whose path holds the most
+not-yet-covered target tokens, ties broken by the earliest call (the call the leaf's last token came from).
+Targets on no kept path are not trained. Without `keep_final` (the rule of batches written before it, which
+replay must rebuild as they were) a long execution's last segments, final answer included, could lose to
+earlier ones of equal size.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ class CapResult:
     kept_targets: int
     dropped_targets: int
     dropped_trajectories: int
+    trajectories: int = 0  # before the cap
 
 
 def node_target_counts(tree: TrajectoryTree) -> np.ndarray:
@@ -52,8 +57,9 @@ def _path_mask(tree: TrajectoryTree, leaves: list[int]) -> np.ndarray:
     return keep
 
 
-def select_leaves(tree: TrajectoryTree, k: int) -> list[int]:
-    """Greedy max-coverage over leaves; stops early when no remaining leaf adds a target.
+def select_leaves(tree: TrajectoryTree, k: int, *, keep_final: bool = True) -> list[int]:
+    """Greedy max-coverage over leaves, the final call's leaf first (`keep_final`); stops early when no
+    remaining leaf adds a target.
 
     Memory and time are O(nodes) per pick (path sums over the pre-order), never leaves × nodes.
     """
@@ -69,9 +75,12 @@ def select_leaves(tree: TrajectoryTree, k: int) -> list[int]:
     remaining = node_target_counts(tree)
     available = np.ones(leaves.shape[0], dtype=bool)
     chosen: list[int] = []
-    for _ in range(min(k, leaves.shape[0])):
+    for pick in range(min(k, leaves.shape[0])):
         gains = np.where(available, _path_sums(tree, remaining)[leaves], -1)
         best = int(np.argmax(gains))
+        if pick == 0 and keep_final and gains[best] > 0:
+            # Leaves are in ending-call order: the last one with a target holds the execution's final call.
+            best = int(np.flatnonzero(gains > 0)[-1])
         if gains[best] <= 0:
             break
         chosen.append(int(leaves[best]))
@@ -80,9 +89,9 @@ def select_leaves(tree: TrajectoryTree, k: int) -> list[int]:
     return chosen
 
 
-def cap_tree(tree: TrajectoryTree, k: int) -> CapResult:
+def cap_tree(tree: TrajectoryTree, k: int, *, keep_final: bool = True) -> CapResult:
     leaves = tree.leaves()
-    chosen = select_leaves(tree, k)
+    chosen = select_leaves(tree, k, keep_final=keep_final)
     capped = restrict_tree(tree, _path_mask(tree, chosen))
     kept = capped.num_targets
     return CapResult(
@@ -91,4 +100,5 @@ def cap_tree(tree: TrajectoryTree, k: int) -> CapResult:
         kept_targets=kept,
         dropped_targets=tree.num_targets - kept,
         dropped_trajectories=int(leaves.shape[0]) - len(chosen),
+        trajectories=int(leaves.shape[0]),
     )

@@ -46,6 +46,10 @@ def batch_ready_data(step: int, batch: TrainingBatch, ref: BlobRef) -> BatchRead
         min_policy_version=int(meta["min_policy_version"]),
         max_policy_version=int(meta["max_policy_version"]),
         stale_executions=int(meta.get("stale_executions", 0)),
+        trajectories_before_cap=int(meta.get("trajectories_before_cap", 0)),
+        trajectories_after_cap=int(meta.get("trajectories_after_cap", 0)),
+        capped_executions=int(meta.get("capped_executions", 0)),
+        dropped_targets=int(meta.get("dropped_targets", 0)),
     )
 
 

@@ -40,6 +40,7 @@ def build_training_batch(
     group_size: int | None = None,
     min_policy_version: int | None = None,
     extra_meta: dict[str, int | float | str] | None = None,
+    cap_keeps_final: bool = True,
 ) -> TrainingBatch:
     """Cap each tree, compute group advantages, pack. Input order does not matter (sorted here).
 
@@ -56,7 +57,7 @@ def build_training_batch(
     adv = result.by_execution()
     entries: list[ExecutionEntry] = []
     packed: list[tuple[TokenTree, int]] = []
-    unique = flat = dropped_targets = stale = 0
+    unique = flat = dropped_targets = stale = trajectories_before = trajectories_after = capped_executions = 0
     for x in ordered:
         if x.execution_id not in adv:
             continue  # a dropped zero-variance group
@@ -64,11 +65,14 @@ def build_training_batch(
             if int(x.tree.policy_version[x.tree.is_target].min()) < min_policy_version:
                 stale += 1
                 continue
-        capped = cap_tree(x.tree, cap_k)
+        capped = cap_tree(x.tree, cap_k, keep_final=cap_keeps_final)
         stats = capped.tree.stats()
         unique += stats.unique_tokens
         flat += stats.flat_tokens
         dropped_targets += capped.dropped_targets
+        trajectories_before += capped.trajectories
+        trajectories_after += len(capped.kept_leaves)
+        capped_executions += capped.dropped_trajectories > 0
         trainable = int(np.count_nonzero(capped.tree.is_target & (capped.tree.parent >= 0)))
         entries.append(
             ExecutionEntry(
@@ -99,6 +103,11 @@ def build_training_batch(
         "stale_executions": stale,
         "min_policy_version": int(versions.min()) if versions.size else 0,
         "max_policy_version": int(versions.max()) if versions.size else 0,
+        # The cap's rule and what it did, only under the rule that keeps the final call: batches of logs written
+        # before it carry neither and rebuild byte-identically.
+        **({"cap_rule": "final-first", "trajectories_before_cap": trajectories_before,
+            "trajectories_after_cap": trajectories_after, "capped_executions": capped_executions}
+           if cap_keeps_final else {}),
         **(extra_meta or {}),
     }
     return TrainingBatch(step=step, executions=entries, micro_batches=micro_batches, meta=meta)

@@ -40,7 +40,8 @@ def run_events():
         out.append(ev(BatchReady(step=step, batch=BlobRef(digest="sha256:" + "0" * 64, size=1), query_ids=[f"q{step}"],
                                  executions=4, trees=4, micro_batches=1, unique_tokens=100, flat_tokens=250,
                                  target_tokens=40, min_policy_version=step, max_policy_version=step,
-                                 stale_executions=step), t + 2))
+                                 stale_executions=step, trajectories_before_cap=12, trajectories_after_cap=9,
+                                 capped_executions=1, dropped_targets=7), t + 2))
         out.append(ev(StepCompleted(step=step, policy_version=step + 1, world_size=1, seconds=1.5,
                                     metrics={"loss": 0.1 * step}), t + 3))
         t += 10
@@ -59,6 +60,10 @@ def test_report_folds_rewards_per_step_and_statistics(tmp_path):
     assert report.timed_out == 1 and report.executions == 8
     assert report.branches == {"compaction": 2}
     assert report.dedup_factor == 2.5
+    assert (report.trajectories_before_cap, report.trajectories_after_cap, report.capped_executions,
+            report.cap_dropped_targets) == (24, 18, 2, 14)
+    assert "trajectories per execution: 3.00 before the cap, 2.25 after; the cap cut 2 executions and left 14 " \
+        "target tokens untrained" in "\n".join(summary_lines(report))
     assert report.stale_executions == 1 and "1 left out as too stale" in summary_lines(report)[0]
     assert [s["seconds"] for s in report.switches] == [2.0, 4.0]
     roles = [(seg["role"], seg["start_s"], seg["end_s"]) for seg in report.timeline]

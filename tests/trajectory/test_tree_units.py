@@ -155,16 +155,40 @@ def _fan_tree(execution_id: str = "e") -> SyntheticExecution:
     return log
 
 
-def test_cap_keeps_most_uncovered_targets_ties_by_earliest_call() -> None:
+def test_cap_keeps_the_final_call_then_most_uncovered_targets_ties_by_earliest_call() -> None:
     tree = build_tree("e", _fan_tree().records)
     leaves = tree.leaves()
     by_call = {int(tree.node_first_call[leaf]): int(leaf) for leaf in leaves}
-    # calls 0 and 2 tie at 3 targets: call 0 first; then call 2; then call 3 (2 targets); then call 1
-    assert select_leaves(tree, 4) == [by_call[0], by_call[2], by_call[3], by_call[1]]
+    # The final call (3) first; then calls 0 and 2 tie at 3 targets: call 0; then call 2; then call 1.
+    assert select_leaves(tree, 4) == [by_call[3], by_call[0], by_call[2], by_call[1]]
     result = cap_tree(tree, 2)
-    assert result.kept_targets == 6 and result.dropped_targets == 3 and result.dropped_trajectories == 2
-    assert sorted(result.tree.tokens[result.tree.is_target].tolist()) == [1, 2, 3, 5, 6, 7]
-    assert result.tree.stats().trajectories == 2
+    assert result.kept_targets == 5 and result.dropped_targets == 4 and result.dropped_trajectories == 2
+    assert sorted(result.tree.tokens[result.tree.is_target].tolist()) == [1, 2, 3, 8, 9]
+    assert result.tree.stats().trajectories == 2 and result.trajectories == 4
+    # The rule of batches written before it: greedy from the start, ties by the earliest call.
+    assert select_leaves(tree, 4, keep_final=False) == [by_call[0], by_call[2], by_call[3], by_call[1]]
+    assert cap_tree(tree, 2, keep_final=False).kept_targets == 6
+
+
+def test_a_long_execution_capped_keeps_its_final_segment_and_answer() -> None:
+    """Fourteen compaction segments of equal size and a cap of 8: every segment ties, and the earliest-call
+    rule alone would keep the first eight and drop the last, where the final answer is."""
+    log = SyntheticExecution("e")
+    for segment in range(14):
+        summary = [500 + segment]  # each segment starts from a fresh, compacted context
+        context = SYS + TASK + summary + [ASSIST]
+        log.call(context, [10 * segment + 1, 10 * segment + 2])
+        log.call(log.sequence(len(log.records) - 1).tolist() + [USER, 7, ASSIST], [10 * segment + 3])
+    final_answer = log.records[-1]
+    tree = build_tree("e", log.records)
+    assert tree.stats().trajectories == 14
+    capped = cap_tree(tree, 8)
+    kept = set(capped.tree.tokens[capped.tree.is_target].tolist())
+    assert {131, 132, 133} <= kept  # the last segment, its final call included
+    assert final_answer.call_index in set(capped.tree.call_index[capped.tree.is_target].tolist())
+    assert len(capped.kept_leaves) == 8 and capped.trajectories == 14 and capped.dropped_trajectories == 6
+    old = cap_tree(tree, 8, keep_final=False)
+    assert not {131, 132, 133} & set(old.tree.tokens[old.tree.is_target].tolist())  # what it fixes
 
 
 def test_cap_tie_break_does_not_move_with_an_unrelated_branch() -> None:
@@ -174,9 +198,9 @@ def test_cap_tie_break_does_not_move_with_an_unrelated_branch() -> None:
     log.call([1], [2])
     log.call([1], [5, 6, 7])  # 3 targets on its leaf, ending with call 1
     log.call([1, 2, 9], [10, 11])  # with 2: 3 targets on its path, ending with call 2
-    before = cap_tree(build_tree("e", log.records), 1).tree
+    before = cap_tree(build_tree("e", log.records), 1, keep_final=False).tree
     log.call([1, 2], [20])  # splits [2, 9, 10, 11] into [2] → {[9, 10, 11], [20]}
-    after = cap_tree(build_tree("e", log.records), 1).tree
+    after = cap_tree(build_tree("e", log.records), 1, keep_final=False).tree
     kept = [sorted(t.tokens[t.is_target].tolist()) for t in (before, after)]
     assert kept == [[5, 6, 7], [5, 6, 7]]
 
@@ -332,3 +356,16 @@ def test_stale_execution_is_left_out_but_its_reward_still_normalises_the_group()
     assert batch_ready_data(6, batch, ref).stale_executions == 1  # the event says so (the run report counts it)
     assert batch.executions[0].advantage == pytest.approx(1.0, rel=1e-5)  # normalised with the stale reward
     assert set(np.concatenate([mb.policy_version for mb in batch.micro_batches]).tolist()) == {5}
+
+
+def test_a_batch_says_its_cap_rule_and_what_the_cap_dropped_and_older_batches_rebuild_by_theirs() -> None:
+    from services.trajectory.state import BatchParams
+
+    inputs = [ExecutionInput(e, "q", build_tree(e, _fan_tree(e).records), r) for e, r in (("e", 1.0), ("f", 0.0))]
+    batch = build_training_batch(0, inputs, budget=64, cap_k=2)
+    assert batch.meta["cap_rule"] == "final-first" and BatchParams.from_meta(batch.meta).cap_keeps_final
+    assert (batch.meta["trajectories_before_cap"], batch.meta["trajectories_after_cap"],
+            batch.meta["capped_executions"]) == (8, 4, 2)
+    old = build_training_batch(0, inputs, budget=64, cap_k=2, cap_keeps_final=False)
+    assert "cap_rule" not in old.meta and not BatchParams.from_meta(old.meta).cap_keeps_final
+    assert old.meta["target_tokens"] != batch.meta["target_tokens"]  # the rules differ on these trees
