@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -131,6 +132,8 @@ class RolloutWorker:
         self.kv_staging_bytes = kv_staging_bytes
         self._kv_staged = 0  # bytes of KV received for adoptions and not yet loaded
         self._cleanups: set[asyncio.Future[None]] = set()
+        # One KV save or load at a time per connector key (see `_kv_lock`); a lock lives while it is held.
+        self._kv_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._on_change = on_change or (lambda: None)
         self._open = asyncio.Event()  # closed while weights are swapped or the engine sleeps or wakes
         self._open.set()
@@ -419,20 +422,24 @@ class RolloutWorker:
             at = time.perf_counter()
             try:
                 bundle = await self.kv_transport.receive(ticket)
-                phases["receive_s"] = time.perf_counter() - at
-                self.engine.import_kv(ids, bundle)
-            except (KvTransferFailed, KvBundleError) as exc:
+            except KvTransferFailed as exc:
                 raise KvNotMoved(str(exc)) from exc
-            del bundle
-            at = time.perf_counter()
-            try:
-                out, _ = await self._engine_call(prompt, PREFILL_ONLY, f"{KV_LOAD_PREFIX}{uuid.uuid4().hex}",
-                                                 policy_version=policy_version)
-            except PolicyChanged as exc:  # weights swapped while it arrived: KV of another policy stays out
-                raise KvNotMoved(f"saved KV is stale: {exc}") from exc
-            phases["load_s"] = time.perf_counter() - at  # staged on disk, then loaded by the engine's connector
+            phases["receive_s"] = time.perf_counter() - at
+            async with self._kv_lock(prompt):
+                at = time.perf_counter()
+                try:
+                    self.engine.import_kv(ids, bundle)
+                    del bundle
+                    out, _ = await self._engine_call(prompt, PREFILL_ONLY, f"{KV_LOAD_PREFIX}{uuid.uuid4().hex}",
+                                                     policy_version=policy_version)
+                except KvBundleError as exc:
+                    raise KvNotMoved(str(exc)) from exc
+                except PolicyChanged as exc:  # weights swapped while it arrived: KV of another policy stays out
+                    raise KvNotMoved(f"saved KV is stale: {exc}") from exc
+                finally:
+                    self.engine.drop_kv(ids)
+                phases["load_s"] = time.perf_counter() - at  # staged on disk, then loaded by the connector
         finally:
-            self.engine.drop_kv(ids)
             self._kv_staged -= ticket.bytes
         if out.cached_tokens <= 0:
             raise KvNotMoved("the engine loaded none of the moved KV")
@@ -567,6 +574,19 @@ class RolloutWorker:
         reply = reply.model_copy(update={"phases": {**phases, **reply.phases}})
         return reply, (ticket.bytes if ticket is not None and reply.method == "kv" else 0)
 
+    def _kv_lock(self, prompt: np.ndarray) -> asyncio.Lock:
+        """The lock of a prompt's connector key. The connector keys saved KV by the prompt's whole blocks, so two
+        sessions whose histories agree up to their last partial block (a group's samples of one task, early on)
+        share one folder: a save or load of one while the other's files are written or removed made the engine
+        read or write a file that vanished, and the engine process died with it. Saves and loads of one key
+        therefore take turns, on source and target alike."""
+        whole = (len(prompt) - 1) // self.engine.block_size * self.engine.block_size
+        key = tokens_digest(np.asarray(prompt[:whole]))
+        lock = self._kv_locks.get(key)
+        if lock is None:
+            lock = self._kv_locks[key] = asyncio.Lock()
+        return lock
+
     def _discard_soon(self, ticket: KvTicket) -> None:
         """Delete a sent bundle after the move, off its path (deleting 16 MiB from the Object Store takes ~20 ms the
         session need not wait for); one that fails is left to the bucket's expiry."""
@@ -597,13 +617,14 @@ class RolloutWorker:
             raise KvNotMoved(f"no whole KV block to move in a history of {len(history)} tokens")
         ids = prompt.tolist()
         at = time.perf_counter()
-        try:
-            _, saved_by = await self._engine_call(prompt, PREFILL_ONLY, f"{KV_SAVE_PREFIX}{uuid.uuid4().hex}")
-            bundle = self.engine.export_kv(ids)
-        except (EngineError, KvBundleError) as exc:
-            raise KvNotMoved(f"KV export failed: {exc}") from exc
-        finally:
-            self.engine.drop_kv(ids)
+        async with self._kv_lock(prompt):
+            try:
+                _, saved_by = await self._engine_call(prompt, PREFILL_ONLY, f"{KV_SAVE_PREFIX}{uuid.uuid4().hex}")
+                bundle = self.engine.export_kv(ids)
+            except (EngineError, KvBundleError) as exc:
+                raise KvNotMoved(f"KV export failed: {exc}") from exc
+            finally:
+                self.engine.drop_kv(ids)
         sent = time.perf_counter()
         phases["save_s"] = sent - at
         try:

@@ -5,11 +5,13 @@ contract, test_kv_transport.py; the real engines move theirs in test_vllm_migrat
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
+from services.rollout.engine_port import EngineError
 from services.rollout.protocol import DrainRequest
 from shared.events import KvMigrated
 from tests.rollout.fakes import CharCodec, MemoryKvTransport, ScriptedEngine, Stack, build_stack
@@ -170,3 +172,58 @@ async def test_an_ordered_move_carries_the_kv_and_a_spoiled_one_still_moves_by_r
     stack.refresh()
     [back] = await stack.local.workers["w1"].move_execution("e", "cell-0")
     assert back.method == "kv" and back.fallback == "" and back.cached_tokens > 0
+
+
+class SharedKeyEngine(KvEngine):
+    """Keys saved and staged KV by the prompt's whole blocks, as vLLM's file connector does, and dies (as the
+    engine process did) when one key's files are written or read while another request of that key has them in
+    hand: a save or load request of a key takes a few event-loop turns, and the key is busy until its files are
+    exported or dropped."""
+
+    def __init__(self, codec: CharCodec) -> None:
+        super().__init__(codec)
+        self.busy: set[tuple[int, ...]] = set()
+        self.dead = False
+
+    def key(self, prompt: list[int]) -> tuple[int, ...]:
+        return tuple(prompt[: (len(prompt) - 1) // self.block_size * self.block_size])
+
+    async def generate(self, prompt, sampling, request_id):  # noqa: ANN001, ANN201
+        if request_id.startswith(("kvsave-", "kvload-")):
+            if self.key(prompt) in self.busy and request_id.startswith("kvsave-"):
+                self.dead = True
+                raise EngineError("EngineCore died: a file of its KV folder vanished mid-write")
+            self.busy.add(self.key(prompt))
+            for _ in range(3):
+                await asyncio.sleep(0)
+        return await super().generate(prompt, sampling, request_id)
+
+    def import_kv(self, prompt: list[int], bundle: bytes) -> int:
+        if self.key(prompt) in self.busy:
+            self.dead = True
+            raise EngineError("EngineCore died: a file of its KV folder vanished mid-read")
+        return super().import_kv(prompt, bundle)
+
+    def drop_kv(self, prompt: list[int]) -> None:
+        self.busy.discard(self.key(prompt))
+        super().drop_kv(prompt)
+
+
+async def test_sessions_that_share_a_connector_key_move_one_after_another_and_all_by_kv() -> None:
+    """A group's samples of one task start from the same prompt: at a drain their histories agree up to the
+    last partial block, so the connector keys their KV alike. Each save and load of one key waits for the
+    previous one's files to be gone (the bench's engine died when they overlapped)."""
+    engines = [SharedKeyEngine(CODEC), SharedKeyEngine(CODEC)]
+    stack = build_stack(engines, CODEC)
+    stack.local.workers["w1"].state = "draining"
+    stack.refresh()
+    prompt = [{"role": "user", "content": "the same task for every sample " * 8}]
+    for i in range(4):
+        await stack.anthropic(stack.token(f"g-{i}")).messages.create(model="tiny", max_tokens=2, messages=prompt)
+    keys = {engines[0].key(s.history[: len(s.history) - 1].tolist()) for s in stack.local.workers["w0"].sessions.values()}
+    assert len(keys) == 1  # every session has the same connector key
+    stack.local.workers["w1"].state = "active"
+    stack.refresh()
+    drained = await stack.local.workers["w0"].drain(DrainRequest())
+    assert drained.ok and not engines[0].dead and not engines[1].dead
+    assert [m.method for m in drained.migrated] == ["kv"] * 4, [m.fallback for m in drained.migrated]
