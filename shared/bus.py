@@ -27,9 +27,9 @@ from shared.objects import ObjectDigestMismatch, ObjectFetchTimeout, ObjectStore
 
 FAMILIES: tuple[str, ...] = tuple(sorted({t.split(".", 1)[0] for t in REGISTRY}))
 DLQ_REASON = "Gyre-Dlq-Reason"
-KV_OBJECT_TTL_S = 3600.0  # a migrated KV cache waits at most this long for its target
 DLQ_SUBJECT = "Gyre-Dlq-Subject"
 DLQ_DELIVERIES = "Gyre-Dlq-Deliveries"
+KV_OBJECT_TTL_S = 3600.0  # a migrated KV cache waits at most this long for its target
 
 log = get_logger(component="bus")
 

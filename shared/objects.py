@@ -148,7 +148,7 @@ class ObjectStore:
         data = bytearray()
         # Each chunk is hashed on a thread as it arrives (in order: one thread), overlapping the transfer.
         h = hashlib.sha256()
-        hashed: list[concurrent.futures.Future[None]] = []
+        hashed: concurrent.futures.Future[None] | None = None  # the latest chunk's: the ones before are done
         if info.size:
             sub = await self.js.subscribe(f"$O.{self.bucket}.C.{info.nuid}", ordered_consumer=True)
             try:
@@ -158,14 +158,14 @@ class ObjectStore:
                     except nats.errors.TimeoutError:
                         raise ObjectFetchTimeout(name, len(data), stall_s) from None
                     data += msg.data
-                    hashed.append(_HASHER.submit(h.update, msg.data))
+                    hashed = _HASHER.submit(h.update, msg.data)
                     if msg.metadata.num_pending == 0:
                         break
             finally:
                 with contextlib.suppress(nats.errors.Error):
                     await sub.unsubscribe()
-        if hashed:
-            await asyncio.wrap_future(hashed[-1])
+        if hashed is not None:
+            await asyncio.wrap_future(hashed)
         out = bytes(data)
         digest = "sha256:" + h.hexdigest()
         if len(out) != info.size or _nats_digest(digest) != info.digest:

@@ -6,6 +6,7 @@ imports it.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import time
@@ -79,9 +80,6 @@ def kv_fingerprint(vllm_config: Any, block_size: int) -> str:
     """The identity KV must share to be loaded: the model's architecture (its config), the served dtype, the KV
     cache's dtype and block size, and the names and sizes of the weight files (another checkpoint of the same
     architecture differs there). Paths are left out: the same model sits at different paths on different nodes."""
-    import hashlib
-    import json
-
     model = vllm_config.model_config
     weights = sorted((f.name, f.stat().st_size) for f in Path(model.model).glob("*.safetensors")) \
         if Path(model.model).is_dir() else []
@@ -259,9 +257,7 @@ class VllmEngine:
     def _kv_folder(self, prompt: list[int]) -> Path | None:
         if self.config.kv_storage is None:
             return None
-        from services.rollout.kv_connector import kv_folder_name
-
-        return self.config.kv_storage / kv_folder_name(prompt, self.block_size)
+        return self.config.kv_storage / _prompt_key(prompt, self.block_size)
 
     def _nixl_params(self, prompt: list[int], request_id: str) -> dict[str, Any] | None:
         """NIXL: a save request keeps its blocks for a peer to pull (`do_remote_decode`); a load request pulls the
@@ -281,29 +277,25 @@ class VllmEngine:
         return sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
 
     def export_kv(self, prompt: list[int]) -> bytes:
-        """The KV a `kvsave-` request of `prompt` saved, as one bundle (kv_bundle.py); the files are removed.
-        KvBundleError when nothing was saved."""
+        """The KV a `kvsave-` request of `prompt` saved, as one bundle (kv_bundle.py): the connector's files, which
+        are removed, or with NIXL the descriptor of the blocks this engine keeps for a peer to pull. KvBundleError
+        when nothing was saved."""
         from services.rollout.kv_bundle import KvBundleError, KvManifest, pack_bundle
 
-        if self.config.kv_connector == "nixl":  # the blocks stay in this engine; the bundle says where they are
+        files: dict[str, bytes] = {}
+        if self.config.kv_connector == "nixl":
             descriptor = self._nixl_saved.pop(tuple(prompt), None)
-            if descriptor is None:
-                raise KvBundleError("the engine saved no KV for the prompt")
-            data = json.dumps(descriptor, sort_keys=True).encode()
-            manifest = KvManifest(fingerprint=self.kv_fingerprint, folder=_prompt_key(prompt, self.block_size),
-                                  prompt_tokens=len(prompt), files=((NIXL_DESCRIPTOR, len(data)),))
-            return pack_bundle(manifest, {NIXL_DESCRIPTOR: data})
-        folder = self._kv_folder(prompt)
-        if folder is None or not folder.is_dir():
-            raise KvBundleError("the engine saved no KV for the prompt")
-        try:
-            files = {f.name: f.read_bytes() for f in sorted(folder.iterdir()) if f.is_file()}
-        finally:
-            self.drop_kv(prompt)
+            if descriptor is not None:
+                files[NIXL_DESCRIPTOR] = json.dumps(descriptor, sort_keys=True).encode()
+        elif (folder := self._kv_folder(prompt)) is not None and folder.is_dir():
+            try:
+                files = {f.name: f.read_bytes() for f in sorted(folder.iterdir()) if f.is_file()}
+            finally:
+                self.drop_kv(prompt)
         if not files:
             raise KvBundleError("the engine saved no KV for the prompt")
-        manifest = KvManifest(fingerprint=self.kv_fingerprint, folder=folder.name, prompt_tokens=len(prompt),
-                              files=tuple((name, len(data)) for name, data in files.items()))
+        manifest = KvManifest(fingerprint=self.kv_fingerprint, folder=_prompt_key(prompt, self.block_size),
+                              prompt_tokens=len(prompt), files=tuple((name, len(data)) for name, data in files.items()))
         return pack_bundle(manifest, files)
 
     def import_kv(self, prompt: list[int], bundle: bytes) -> int:
@@ -315,12 +307,13 @@ class VllmEngine:
         if manifest.fingerprint != self.kv_fingerprint:
             raise KvBundleError(f"KV of another model ({manifest.fingerprint[:16]}…, this engine serves "
                                 f"{self.kv_fingerprint[:16]}…)")
+        key = _prompt_key(prompt, self.block_size)
+        if manifest.folder != key or manifest.prompt_tokens != len(prompt):
+            raise KvBundleError(f"KV saved for another prompt ({manifest.prompt_tokens} tokens, key "
+                                f"{manifest.folder[:12]}…; expected {len(prompt)}, {key[:12]}…)")
         if self.config.kv_connector == "nixl":
             if set(files) != {NIXL_DESCRIPTOR}:
                 raise KvBundleError(f"expected a NIXL block descriptor, the bundle holds {sorted(files)}")
-            if manifest.folder != _prompt_key(prompt, self.block_size) or manifest.prompt_tokens != len(prompt):
-                raise KvBundleError(f"KV saved for another prompt ({manifest.prompt_tokens} tokens; expected "
-                                    f"{len(prompt)})")
             try:
                 self._nixl_staged[tuple(prompt)] = dict(json.loads(files[NIXL_DESCRIPTOR]))
             except ValueError as exc:
@@ -329,9 +322,6 @@ class VllmEngine:
         folder = self._kv_folder(prompt)
         if folder is None:
             raise KvBundleError("this engine has no KV connector")
-        if manifest.folder != folder.name or manifest.prompt_tokens != len(prompt):
-            raise KvBundleError(f"KV saved for another prompt ({manifest.prompt_tokens} tokens, key "
-                                f"{manifest.folder[:12]}…; expected {len(prompt)}, {folder.name[:12]}…)")
         folder.mkdir(parents=True, exist_ok=True)
         for name, data in files.items():
             # Written aside and renamed: the connector never reads half a file.
