@@ -61,6 +61,11 @@ class BlobStore(Protocol):
 
     async def has(self, ref: BlobRef) -> bool: ...
 
+    async def delete(self, ref: BlobRef) -> bool:
+        """Forget a blob (retention); False when there was none. Content-addressed: every reference to the same
+        bytes loses them, so only a caller that knows no one else refers to them deletes."""
+        ...
+
 
 class Blobs:
     """Every backend behind one port: reads go where each reference says, writes where the caller says (events'
@@ -84,6 +89,9 @@ class Blobs:
     async def has(self, ref: BlobRef) -> bool:
         return await self._backend(ref.store).has(ref)
 
+    async def delete(self, ref: BlobRef) -> bool:
+        return await self._backend(ref.store).delete(ref)
+
 
 class InMemoryBlobStore:
     """A dict behind the port (for pure tests and replay from an exported file): passes the contract suite."""
@@ -105,6 +113,9 @@ class InMemoryBlobStore:
 
     async def has(self, ref: BlobRef) -> bool:
         return ref.digest in self.data
+
+    async def delete(self, ref: BlobRef) -> bool:
+        return self.data.pop(ref.digest, None) is not None
 
 
 __all__ = [

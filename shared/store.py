@@ -423,6 +423,12 @@ class PostgresBlobStore:
             stmt = sa.select(blobs_table.c.digest).where(blobs_table.c.digest == ref.digest)
             return (await conn.execute(stmt)).first() is not None
 
+    async def delete(self, ref: BlobRef) -> bool:
+        async with self.engine.connect() as conn:
+            async with conn.begin():
+                result = await conn.execute(sa.delete(blobs_table).where(blobs_table.c.digest == ref.digest))
+        return bool(result.rowcount)
+
 
 __all__ = [
     "GROUPED_APPENDER_NAME",

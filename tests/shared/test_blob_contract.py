@@ -49,6 +49,15 @@ class BlobStoreContract:
         with pytest.raises(BlobNotFound):
             await blobs.get(missing)
 
+    async def test_a_deleted_blob_is_gone_and_deleting_it_again_says_so(self, blobs: BlobStore) -> None:
+        kept, gone = await blobs.put(b"kept bytes"), await blobs.put(b"retired bytes" * 50_000)
+        assert await blobs.delete(gone)
+        assert not await blobs.has(gone)
+        with pytest.raises(BlobNotFound):
+            await blobs.get(gone)
+        assert not await blobs.delete(gone)
+        assert await blobs.get(kept) == b"kept bytes"
+
     async def test_a_blob_that_no_longer_matches_its_digest_is_refused(self, blobs: BlobStore) -> None:
         ref = await blobs.put(b"original")
         await self.tamper(blobs, ref)
@@ -112,6 +121,9 @@ class _OneBackend:
 
     async def has(self, ref: BlobRef) -> bool:
         return await self.blobs.has(ref)
+
+    async def delete(self, ref: BlobRef) -> bool:
+        return await self.blobs.delete(ref)
 
 
 class TestBlobsPort(BlobStoreContract):
