@@ -402,12 +402,32 @@ class StepCompleted(EventData):
 
 
 @register
-class WeightsPublished(EventData):
+class WeightsPublished(_Extended):
+    """A new policy version is in the Object Store. `format`: `safetensors`, one file (runs recorded before
+    shards); `shards`, `weights` is the manifest of the layer-aligned shards (shared/weights.py), `dtype` and
+    `bytes` say what they hold."""
+
     TYPE: ClassVar[str] = "weights.published"
+    WRITTEN_WHEN_SET: ClassVar[tuple[str, ...]] = ("dtype", "bytes", "publish_s")
     version: int = Field(ge=0)
     step: int = Field(ge=-1)  # -1: the initial weights before any step
     weights: BlobRef
-    format: Literal["safetensors"] = "safetensors"
+    format: Literal["safetensors", "shards"] = "safetensors"
+    dtype: str = ""
+    bytes: int = Field(default=0, ge=0)
+    publish_s: float = Field(default=0.0, ge=0)  # from the step's end: gathering, encoding and storing them
+
+
+@register
+class WeightsRetired(EventData):
+    """A published version's objects were deleted from the Object Store (retention: no worker serves it and
+    it is older than the kept window). `objects`/`bytes`: what was deleted; shards a kept version shares stay."""
+
+    TYPE: ClassVar[str] = "weights.retired"
+    version: int = Field(ge=0)
+    objects: int = Field(ge=0)
+    bytes: int = Field(ge=0)
+    kept: list[int]  # the versions kept when it was retired
 
 
 @register
@@ -415,7 +435,8 @@ class WeightsLoaded(_Extended):
     """A rollout worker serves `version` from now on: at its start, after waking on its cell, or after loading
     a `weights.published`. The scheduler counts the staleness bound from the oldest version the rollout cells
     serve (docs/operating.md); the cell agent takes a worker's first one after a start or a wake as its
-    readiness. `phases` times a start or a wake (e.g. `wake_s`, `load_s`)."""
+    readiness. `phases` times a start or a wake (e.g. `wake_s`, `load_s`) or a publication's load (`fetch_s`
+    while serving, then `pause_s` with new calls held, `swap_s` of it in the engine)."""
 
     TYPE: ClassVar[str] = "weights.loaded"
     WRITTEN_WHEN_SET: ClassVar[tuple[str, ...]] = ("phases",)

@@ -10,7 +10,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -211,6 +211,27 @@ class VllmEngine:
         def reload(worker: Any, items: list[tuple[str, Any]] = items) -> None:
             worker.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)
 
+        await self._reload(reload)
+
+    async def load_weight_files(self, paths: Sequence[Path]) -> None:
+        """The engine process opens the files itself (safetensors, memory-mapped) and streams their tensors into
+        one in-place reload: nothing but the paths crosses the RPC."""
+        names = [str(p) for p in paths]
+
+        def reload(worker: Any, names: list[str] = names) -> None:
+            from safetensors import safe_open
+
+            def tensors() -> Iterator[tuple[str, Any]]:
+                for name in names:
+                    with safe_open(name, framework="pt") as f:
+                        for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                            yield key, f.get_tensor(key)
+
+            worker.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)
+
+        await self._reload(reload)
+
+    async def _reload(self, reload: Callable[[Any], None]) -> None:
         # First make sure nothing holds cache blocks (this raises before the weights change, leaving the
         # worker consistent on the old policy); then, with the worker's gate closed, nothing can start
         # between the reload and the reset that drops the old policy's KV.

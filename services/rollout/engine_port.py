@@ -4,8 +4,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from services.rollout.protocol import SamplingSpec
@@ -35,6 +36,11 @@ class Engine(Protocol):
 
     async def load_weights(self, state_dict: Mapping[str, Any]) -> None:
         """Replace the weights in place and drop the prefix cache (it holds KV of the old policy)."""
+        ...
+
+    async def load_weight_files(self, paths: Sequence[Path]) -> None:
+        """`load_weights` from safetensors files on this node (a publication's shards, staged by the worker):
+        the engine reads them itself rather than being handed the tensors."""
         ...
 
     async def reset_prefix_cache(self) -> None: ...

@@ -81,6 +81,9 @@ class RolloutSettings(BaseSettings):
     # Which connector saves and loads the KV: "gyre" (files, carried whole by the transport) or "nixl" (GPU nodes:
     # the blocks go device to device, the transport carries their descriptor).
     kv_connector: Literal["gyre", "nixl"] = "gyre"
+    # This worker's folder for a publication's shards between their download and the swap (its engine reads
+    # them from there). Unset: `<state_dir>/weights/<worker_id>`.
+    weights_staging: Path | None = None
     heartbeat_s: float = 1.0
     # Start in standby (engine loaded, warmed up and asleep; no `weights.loaded`) until the cell is released to
     # rollout: the cell agent's second, warm process on a cell that starts in another role.
@@ -116,6 +119,7 @@ class RolloutWorkerService(Service):
         # When the latest drain order (or the process start) put it to sleep: only a release after it wakes it.
         self._asleep_since = self.process_started_at
         self._cell_role: Role | None = None  # the cell's latest assignment (None: its log has none yet)
+        self._weights_stage: Path | None = None  # set up: where shards wait for the swap (None: in memory)
 
     async def setup(self) -> None:
         from services.rollout.engine import (
@@ -137,6 +141,8 @@ class RolloutWorkerService(Service):
         if r.kv_transport != "none" and r.kv_connector == "gyre":
             kv_storage = r.kv_storage or Path(self.settings.state_dir) / "kv" / worker_id
             shutil.rmtree(kv_storage, ignore_errors=True)  # what a dead process left in transit is no one's now
+        self._weights_stage = r.weights_staging or Path(self.settings.state_dir) / "weights" / worker_id
+        shutil.rmtree(self._weights_stage, ignore_errors=True)  # shards a dead process never swapped in
         self.engine = VllmEngine.start(
             VllmConfig(model=self.settings.model_dir, max_model_len=r.max_model_len, dtype=r.dtype,
                        kv_storage=kv_storage, sleep_mode=r.sleep_mode,
@@ -193,21 +199,38 @@ class RolloutWorkerService(Service):
     async def _emit_data(self, data: list[EventData] | Any) -> None:
         await self.emit([self.event(d, stream_id=stream_id_for("cell", self.worker.cell_id)) for d in data])
 
-    async def _load(self, published: WeightsPublished) -> bool:
-        """Load a publication newer than what the worker serves; returns whether it did."""
-        from safetensors.torch import load as load_safetensors
+    async def _load(self, published: WeightsPublished) -> dict[str, float] | None:
+        """Load a publication newer than what the worker serves; returns its phases when it did (`fetch_s`:
+        download and decoding while the worker served; `pause_s`, `swap_s`: see `apply_weights`). A publication
+        retention has deleted meanwhile is passed over for the newest."""
+        from services.rollout.weights_fetch import WeightsGone, fetch_weights
 
         if not self.worker.wants(published.version):
-            return False  # an older publication delivered late, or one loaded at start: not worth its download
-        blob = await self.blobs.get(published.weights)
-        return bool(await self.worker.apply_weights(published.version, load_safetensors(blob)))
+            return None  # an older publication delivered late, or one loaded at start: not worth its download
+        try:
+            fetched = await fetch_weights(self.blobs, published, stage_dir=self._weights_stage, log=self.log)
+        except WeightsGone as exc:
+            newest = await self._newest_publication()
+            if newest is None or newest.version <= published.version:
+                raise
+            self.log.info("weights_superseded", version=published.version, newest=newest.version, detail=str(exc))
+            return await self._load(newest)
+        try:
+            swap = await self.worker.apply_weights(published.version, fetched.weights)
+        finally:
+            fetched.discard()
+        return None if swap is None else {"fetch_s": round(fetched.fetch_s, 4),
+                                          **{k: round(v, 4) for k, v in swap.items()}}
 
-    async def _load_newest(self) -> None:
-        """Load the run's newest published weights when they are newer than what the worker serves (read from the
-        log, which the bus's delivery may lag behind)."""
+    async def _newest_publication(self) -> WeightsPublished | None:
+        """The run's newest published weights, read from the log (which the bus's delivery may lag behind)."""
         assert self.store is not None
         stored = await self.store.read_all(types=["weights.published"], run_id=self.settings.run_id)
-        newest = newest_publication(s.event.data for s in stored if isinstance(s.event.data, WeightsPublished))
+        return newest_publication(s.event.data for s in stored if isinstance(s.event.data, WeightsPublished))
+
+    async def _load_newest(self) -> None:
+        """Load the run's newest published weights when they are newer than what the worker serves."""
+        newest = await self._newest_publication()
         if newest is not None:
             await self._load(newest)
 
@@ -223,12 +246,13 @@ class RolloutWorkerService(Service):
                     # Not loaded into a sleeping engine: the wake loads the newest (one load, not one per step).
                     self.log.info("weights_deferred", version=data.version, serving=w.policy_version)
                     return None
-                if await self._load(data):
+                phases = await self._load(data)
+                if phases is not None:
                     self._loaded_by = event.event_id
                 elif self._loaded_by != event.event_id:
                     return None  # not news (older, or loaded at start or on a wake, which said so)
                 # Loaded now, or by this very event before its record was lost (a redelivery): the log says so.
-                return self._weights_loaded(cause=event)
+                return self._weights_loaded(cause=event, phases=phases)
         elif isinstance(data, CellDraining) and self._drains_me(event):
             # Spawned: a drain waits for in-flight calls and moves every session, far longer than a handler.
             self.spawn(self.drain(event), name="drain")

@@ -16,6 +16,7 @@ import uuid
 import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -276,25 +277,35 @@ class RolloutWorker:
         0) while it still serves the model's own. A late or replayed publication never takes it back."""
         return version > self.policy_version or (version == 0 and not self._serves_published)
 
-    async def apply_weights(self, version: int, state_dict: Mapping[str, Any]) -> bool:
-        """Swap weights between calls: new calls wait, in-flight calls finish on the old policy first. Returns
-        whether it loaded them (False: not newer than what it serves)."""
+    async def apply_weights(
+        self, version: int, weights: Mapping[str, Any] | Sequence[Path]
+    ) -> dict[str, float] | None:
+        """Swap weights between calls: new calls wait, in-flight calls finish on the old policy first. `weights`:
+        a state dict, or safetensors files on this node the engine reads itself. Returns the swap's times when
+        it loaded them — `pause_s`, how long new calls were held (the wait for in-flight ones included), and
+        `swap_s`, the engine's load — or None (not newer than what it serves)."""
         if not self.wants(version):
             self.log.info("weights_skipped", version=version, current=self.policy_version)
-            return False
+            return None
+        paused = time.perf_counter()
         self._open.clear()
         try:
             async with self._idle:
                 await self._idle.wait_for(lambda: self.in_flight == 0)
             started = time.perf_counter()
-            await self.engine.load_weights(state_dict)
+            if isinstance(weights, Mapping):
+                await self.engine.load_weights(weights)
+            else:
+                await self.engine.load_weight_files(weights)
             self.policy_version = version
             self._serves_published = True
-            self.log.info("weights_loaded", version=version, seconds=round(time.perf_counter() - started, 4))
+            swap_s = time.perf_counter() - started
         finally:
             self._open.set()
             self._on_change()
-        return True
+        times = {"pause_s": time.perf_counter() - paused, "swap_s": swap_s}
+        self.log.info("weights_loaded", version=version, **{k: round(v, 4) for k, v in times.items()})
+        return times
 
     # ---- standby ----
 

@@ -7,6 +7,7 @@ tokens) and runs the same number of forward/backward passes so FSDP's collective
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from services.trainer.distributed import (
 from services.trainer.loss import GspoConfig, GspoStats, GspoStep, execution_log_ratio_sums, gspo_metrics, gspo_pass
 from services.trainer.packed_forward import DEFAULT_FLEX_THRESHOLD, PackedTensors, packed_logprobs, to_tensors
 from shared.batch import MicroBatch, TrainingBatch
+from shared.weights import DEFAULT_SHARD_BYTES, PublishDtype, encode_shards, resolve_dtype
 
 
 # A real pass's loss from its index, its tensors and its logprobs (what `Trainer._optimiser_step` backpropagates).
@@ -56,6 +58,26 @@ class BatchMismatch(TrainerError):
 
 
 @dataclass(frozen=True)
+class PublishedShards:
+    """A publication as rank 0 holds it: the full weights, encoded into shards (safetensors bytes and tensor
+    count each, in load order; shared/weights.py) only as they are stored, so encoding the next shard overlaps
+    storing the last and one shard's bytes exist at a time."""
+
+    state_dict: dict[str, torch.Tensor]
+    dtype: torch.dtype
+    shard_bytes: int
+    skip: tuple[str, ...] = ()  # tensors left out (a tied lm_head)
+    seconds: float = 0.0  # gathering the full weights (a collective)
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    def shards(self) -> Iterator[tuple[bytes, int]]:
+        return encode_shards(self.state_dict, self.dtype, self.shard_bytes, skip=self.skip)
+
+
+@dataclass(frozen=True)
 class TrainerConfig:
     lr: float = 1e-6
     betas: tuple[float, float] = (0.9, 0.999)
@@ -67,6 +89,8 @@ class TrainerConfig:
     loss: GspoConfig = field(default_factory=GspoConfig)
     recompute_old_logprobs: bool = False  # False: pi_old = mu (the behaviour logprobs)
     seed: int = 0
+    publish_dtype: PublishDtype = "auto"  # the published weights' dtype; auto: the model's own (shared/weights.py)
+    shard_bytes: int = DEFAULT_SHARD_BYTES
 
 
 def flat_token_count(mb: MicroBatch) -> int:
@@ -374,10 +398,24 @@ class Trainer:
         return sd if self.rank == 0 else {}
 
     def weights_bytes(self) -> bytes | None:
-        """The full weights as safetensors bytes on rank 0 (None elsewhere); see weights.py."""
+        """The full weights as one safetensors file on rank 0 (None elsewhere), in the trainer's dtype: what a
+        model directory holds (weights.py)."""
         from services.trainer.weights import safetensors_bytes
 
         sd = self.full_weights()
         if self.rank != 0:
             return None
         return safetensors_bytes(sd, self.model.config)
+
+    def weights_shards(self) -> PublishedShards | None:
+        """The full weights for the publication on rank 0 (None elsewhere), to be cast to the publish dtype and
+        cut between layers as they are stored. A collective: every rank calls it."""
+        started = time.perf_counter()
+        sd = self.full_weights()
+        if self.rank != 0:
+            return None
+        config = self.model.config
+        dtype = resolve_dtype(self.config.publish_dtype, getattr(config, "dtype", None))
+        # Tied to embed_tokens: HF and vLLM rebuild it (and safetensors refuses shared storage).
+        skip = ("lm_head.weight",) if getattr(config, "tie_word_embeddings", False) else ()
+        return PublishedShards(sd, dtype, self.config.shard_bytes, skip, time.perf_counter() - started)

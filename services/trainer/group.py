@@ -121,14 +121,14 @@ class RankClient:
         return await self._on_every_member(
             "the step", {m: self.call(m, "step", request, StepReply, timeout_s) for m in group.members})
 
-    async def publish(self, group: Group, timeout_s: float) -> BlobRef:
+    async def publish(self, group: Group, timeout_s: float) -> PublishReply:
         """The weights the group holds, stored by rank 0 (gathering them is a collective: every member takes part)."""
         request = PublishRequest(generation=group.generation)
         calls = {m: self.call(m, "publish", request, PublishReply, timeout_s) for m in group.members}
         replies = await self._on_every_member("publishing the weights", calls)
         if replies[0].weights is None:
             raise GroupError(f"rank 0 ({group.members[0].cell_id}) stored no weights")
-        return replies[0].weights
+        return replies[0]
 
     async def _on_every_member(self, what: str, calls: dict[Member, Coroutine[Any, Any, R]]) -> list[R]:
         """The replies of every member in rank order, or `GroupBroken` once every member still alive has answered

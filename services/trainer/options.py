@@ -9,6 +9,8 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.weights import DEFAULT_SHARD_BYTES, PublishDtype
+
 
 class TrainerOptions(BaseSettings):
     """The coordinator's settings; training hyperparameters travel to the ranks in `form` (protocol.TrainerSpec)."""
@@ -20,6 +22,13 @@ class TrainerOptions(BaseSettings):
     grad_clip: float = 1.0
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     publish_every: int = 1  # publish weights after every N-th step (and always after the first)
+    # The published weights' dtype: auto is the model's own (a bf16 checkpoint ships bf16, whatever the trainer
+    # computes in); set it to what the rollout engines serve when that differs.
+    publish_dtype: PublishDtype = "auto"
+    shard_bytes: int = Field(default=DEFAULT_SHARD_BYTES, ge=1 << 20)  # a publication's shards (between layers)
+    # Published versions kept in the Object Store besides the newest: at least the staleness bound (the shared
+    # GYRE_MAX_STALENESS) is kept whatever this says; older ones no worker serves are deleted (retention.py).
+    keep_versions: int = Field(default=1, ge=0)
     first_step: int = 0  # the step number of the first batch of a run
     keep_checkpoints: int = 2
     # How long a batch a crashed trainer held waits for redelivery (default: the shared GYRE_ACK_WAIT_S). A

@@ -16,6 +16,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from shared.events import BlobRef
+from shared.weights import DEFAULT_SHARD_BYTES, PublishDtype
 
 Verb = Literal["form", "step", "leave", "publish", "ping"]
 VERBS: tuple[Verb, ...] = ("form", "step", "leave", "publish", "ping")
@@ -43,6 +44,8 @@ class TrainerSpec(Body):
     eps_high: float = 4e-4
     is_cap: float = 2.0
     recompute_old_logprobs: bool = False
+    publish_dtype: PublishDtype = "auto"  # the dtype weights are published in (auto: the model's own)
+    shard_bytes: int = Field(default=DEFAULT_SHARD_BYTES, ge=1)
 
 
 class TrainerState(Body):
@@ -95,7 +98,8 @@ class StepReply(Body):
     checkpoint_s: float = Field(ge=0)
     step_count: int = Field(ge=1)  # after the step
     policy_version: int = Field(ge=1)  # of the weights the step made
-    weights: BlobRef | None = None  # rank 0, when the step publishes
+    weights: BlobRef | None = None  # rank 0, when the step publishes: the manifest (shared/weights.py)
+    publish_s: float = Field(default=0.0, ge=0)  # rank 0's gathering, encoding and storing of those weights
 
 
 class LeaveRequest(Body):
@@ -114,6 +118,7 @@ class PublishRequest(Body):
 class PublishReply(Body):
     rank_id: str
     weights: BlobRef | None = None  # rank 0's
+    publish_s: float = Field(default=0.0, ge=0)
 
 
 class PingRequest(Body):

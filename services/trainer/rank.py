@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from services.trainer.engine import PublishedShards
 from services.trainer.options import RankOptions
 from services.trainer.protocol import (
     VERBS,
@@ -32,11 +33,12 @@ from services.trainer.protocol import (
     rank_subject,
 )
 from services.trainer.rank_work import RankWork
-from services.trainer.weights import WEIGHTS_MEDIA_TYPE
-from shared.events import RankReady, stream_id_for
+from shared.blobs import Blobs
+from shared.events import BlobRef, RankReady, stream_id_for
 from shared.logging import configure_logging
 from shared.runtime import Service
 from shared.settings import Settings, load_settings
+from shared.weights import MANIFEST_MEDIA_TYPE, SHARD_MEDIA_TYPE, manifest_for
 
 T = TypeVar("T")
 
@@ -131,8 +133,8 @@ class RankService(Service):
         reply: StepReply
         reply, weights = await self._on_torch("step", self.work.step, request, batch, self.rank_id)
         if weights is not None:
-            ref = await self.blobs.put(weights, WEIGHTS_MEDIA_TYPE, store="object")
-            reply = reply.model_copy(update={"weights": ref})
+            ref, store_s = await self._store(weights)
+            reply = reply.model_copy(update={"weights": ref, "publish_s": weights.seconds + store_s})
         self.log.info("step_done", step=request.step, seconds=round(reply.seconds, 3),
                       checkpoint_s=round(reply.checkpoint_s, 3))
         return reply
@@ -147,8 +149,18 @@ class RankService(Service):
 
     async def publish(self, request: PublishRequest) -> Body:
         weights = await self._on_torch("publish", self.work.publish, request.generation)
-        ref = await self.blobs.put(weights, WEIGHTS_MEDIA_TYPE, store="object") if weights is not None else None
-        return PublishReply(rank_id=self.rank_id, weights=ref)
+        if weights is None:
+            return PublishReply(rank_id=self.rank_id)
+        ref, store_s = await self._store(weights)
+        return PublishReply(rank_id=self.rank_id, weights=ref, publish_s=weights.seconds + store_s)
+
+    async def _store(self, published: PublishedShards) -> tuple[BlobRef, float]:
+        started = time.perf_counter()
+        ref = await store_publication(self.blobs, published)
+        seconds = time.perf_counter() - started
+        self.log.info("weights_stored", dtype=published.dtype_name, gather_s=round(published.seconds, 3),
+                      store_s=round(seconds, 3))
+        return ref, seconds
 
     async def ping(self, request: Body) -> Body:
         return PingReply(rank_id=self.rank_id, generation=self.work.generation, busy=self.busy)
@@ -164,10 +176,29 @@ class RankService(Service):
         return await asyncio.get_running_loop().run_in_executor(self._torch, run)
 
 
+async def store_publication(blobs: Blobs, published: PublishedShards) -> BlobRef:
+    """Store a publication's shards in the Object Store one after another, each encoded on a thread while the
+    one before it is stored (its chunks pipelined), then the manifest that names them; returns the manifest's
+    reference (what `weights.published` carries)."""
+    shards = published.shards()
+    stored: list[tuple[BlobRef, int]] = []
+    encoding = asyncio.ensure_future(asyncio.to_thread(next, shards, None))
+    try:
+        while (shard := await encoding) is not None:
+            data, tensors = shard
+            encoding = asyncio.ensure_future(asyncio.to_thread(next, shards, None))
+            stored.append((await blobs.put(data, SHARD_MEDIA_TYPE, store="object"), tensors))
+    finally:
+        if not encoding.done():
+            encoding.cancel()
+    manifest = manifest_for(stored, published.dtype_name)
+    return await blobs.put(manifest.to_bytes(), MANIFEST_MEDIA_TYPE, store="object")
+
+
 def main() -> None:
     settings = load_settings()
     configure_logging(RankService.name, run_id=settings.run_id)
     asyncio.run(RankService(settings).run(freeze_heap=True))
 
 
-__all__ = ["RankRefused", "RankService", "TrainerRankError", "main"]
+__all__ = ["RankRefused", "RankService", "TrainerRankError", "main", "store_publication"]

@@ -24,7 +24,7 @@ from services.trainer.distributed import (
     read_trainer_state,
     timed,
 )
-from services.trainer.engine import Trainer, TrainerConfig, load_model
+from services.trainer.engine import PublishedShards, Trainer, TrainerConfig, load_model
 from services.trainer.loss import GspoConfig
 from services.trainer.protocol import FormReply, FormRequest, StepReply, StepRequest, TrainerSpec, TrainerState
 from shared.batch import TrainingBatch
@@ -46,6 +46,8 @@ def trainer_config(spec: TrainerSpec) -> TrainerConfig:
         precision=spec.precision,
         loss=GspoConfig(eps_low=spec.eps_low, eps_high=spec.eps_high, is_cap=spec.is_cap),
         recompute_old_logprobs=spec.recompute_old_logprobs,
+        publish_dtype=spec.publish_dtype,
+        shard_bytes=spec.shard_bytes,
     )
 
 
@@ -125,7 +127,7 @@ class RankWork:
             raise NotInGroup(f"generation {generation}'s last step failed here; the group must form again")
         return self.trainer, self.form_request
 
-    def step(self, request: StepRequest, batch_bytes: bytes, rank_id: str) -> tuple[StepReply, bytes | None]:
+    def step(self, request: StepRequest, batch_bytes: bytes, rank_id: str) -> tuple[StepReply, PublishedShards | None]:
         """Train the batch, checkpoint it (every rank, collectively) and, when the step publishes, gather the full
         weights (rank 0 gets the bytes). The checkpoint holds the step's metrics, for a re-emit after a crash."""
         trainer, formed = self._formed(request.generation)
@@ -140,7 +142,7 @@ class RankWork:
         _, checkpoint_s = timed(trainer.save, Path(formed.checkpoint_root), formed.keep_checkpoints,
                                 {"last_step": request.step, "metrics": metrics, "seconds": seconds})
         self.intact = True
-        weights = trainer.weights_bytes() if request.publish else None
+        weights = trainer.weights_shards() if request.publish else None
         counts = [mb.num_tokens for mb in batch.micro_batches]
         mine = balance_micro_batches(counts, trainer.world_size)[trainer.rank]
         reply = StepReply(
@@ -150,10 +152,10 @@ class RankWork:
         )
         return reply, weights
 
-    def publish(self, generation: int) -> bytes | None:
-        """The weights the group holds (a collective; the bytes on rank 0)."""
+    def publish(self, generation: int) -> PublishedShards | None:
+        """The weights the group holds (a collective; the shards on rank 0)."""
         trainer, _ = self._formed(generation)
-        return trainer.weights_bytes()
+        return trainer.weights_shards()
 
 
 __all__ = ["NotInGroup", "RankWork", "RankWorkError", "trainer_config", "trainer_state"]

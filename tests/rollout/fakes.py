@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -167,6 +168,14 @@ class ScriptedEngine:
 
     async def load_weights(self, state_dict: Mapping[str, Any]) -> None:
         self.weights_version = int(state_dict["version"])
+
+    async def load_weight_files(self, paths: Sequence[Path]) -> None:
+        from safetensors.torch import load_file
+
+        state_dict: dict[str, Any] = {}
+        for path in paths:
+            state_dict.update(load_file(str(path)))
+        await self.load_weights(state_dict)
 
     async def reset_prefix_cache(self) -> None:
         self.prompts.clear()

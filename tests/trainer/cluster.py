@@ -13,10 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from services.trainer.service import TrainerService
 from shared.batch import BATCH_MEDIA_TYPE, TrainingBatch
-from shared.bus import ConsumerOptions
+from shared.blobs import Blobs
+from shared.bus import Bus, ConsumerOptions
 from shared.cells import Role
 from shared.events import (
     BatchReady,
@@ -25,9 +27,11 @@ from shared.events import (
     CellReleased,
     Event,
     EventData,
+    WeightsPublished,
     new_event,
     stream_id_for,
 )
+from shared.objects import ObjectBlobStore
 from shared.settings import Settings
 from shared.store import EventStore
 from tests.conftest import Infra
@@ -150,6 +154,13 @@ async def put_batch(store: EventStore, run_id: str, step: int) -> None:
     )
     event = new_event(data, run_id=run_id, stream_id=f"batch-{run_id}-{step}", version=1, occurred_at=datetime.now(UTC))
     await store.append([event])
+
+
+async def published_weights(bus: Bus, published: WeightsPublished) -> dict[str, Any]:
+    """A publication's full state dict, read from the Object Store as a rollout worker reads it."""
+    from services.rollout.weights_fetch import fetch_weights
+
+    return (await fetch_weights(Blobs(ObjectBlobStore(bus.objects)), published)).state_dict
 
 
 async def events_of(store: EventStore, run_id: str, kind: str) -> list[Event]:

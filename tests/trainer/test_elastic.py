@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load as load_safetensors
 
 from services.trainer.distributed import latest_checkpoint, read_trainer_state
 from services.trainer.options import TrainerOptions
@@ -22,6 +21,7 @@ from tests.trainer.cluster import (
     drain_from_train,
     events_of,
     formed_with,
+    published_weights,
     put_batch,
     settings_for,
     until,
@@ -30,7 +30,8 @@ from tests.trainer.cluster import (
 from tests.trainer.trainer_trees import tiny_model
 
 A, B = "n-cell0", "n-cell1"
-OPTIONS = TrainerOptions(lr=1e-3, precision="fp32", idle_wait_s=1.0, collective_timeout_s=60.0)
+# Every version kept: the test compares the first published weights with the last.
+OPTIONS = TrainerOptions(lr=1e-3, precision="fp32", idle_wait_s=1.0, collective_timeout_s=60.0, keep_versions=1000)
 LOSS = dict(eps_low=0.2, eps_high=0.28, recompute_old_logprobs=True)
 
 
@@ -52,8 +53,7 @@ async def final_weights(store, bus, run_id: str) -> tuple[dict[str, torch.Tensor
     """The initial and the newest weights the run published."""
     published = sorted((e.data for e in await events_of(store, run_id, "weights.published")), key=lambda d: d.version)
     first, last = published[0], published[-1]
-    return (load_safetensors(await bus.get_object(first.weights.digest)),
-            load_safetensors(await bus.get_object(last.weights.digest)))
+    return await published_weights(bus, first), await published_weights(bus, last)
 
 
 async def fixed_one_rank_run(store, bus, infra: Infra, model_dir: Path, workdir: Path, steps: int) -> str:  # noqa: ANN001

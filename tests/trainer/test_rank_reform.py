@@ -87,7 +87,10 @@ class Ranks:
 
     def weights(self, members: list[int]) -> dict[str, torch.Tensor]:
         published = self._all(members, [("publish", self.generation)] * len(members), "published")
-        return load_safetensors(published[0])
+        out: dict[str, torch.Tensor] = {}
+        for data, _ in published[0].shards():  # rank 0's PublishedShards
+            out.update(load_safetensors(data))
+        return out
 
     def stop(self) -> None:
         for q in self.orders:

@@ -24,6 +24,7 @@ from services.trainer.protocol import StepRequest
 from services.trainer.rank import RankService
 from services.trainer.rank_work import RankWork
 from shared.cells import Role
+from shared.objects import ObjectBlobStore
 from tests.conftest import Infra, RunningRelay, unique
 from tests.trainer.cluster import (
     FAST,
@@ -32,6 +33,7 @@ from tests.trainer.cluster import (
     RankProcess,
     assign,
     events_of,
+    published_weights,
     put_batch,
     service_env,
     settings_for,
@@ -125,9 +127,18 @@ async def test_each_step_is_trained_once_across_a_coordinator_crash_before_commi
 
     published = await events_of(store, run_id, "weights.published")
     assert sorted(e.data.version for e in published) == [0, 1, 2, 3, 4]
-    latest = max(published, key=lambda e: e.data.version).data
-    weights = load_safetensors(await bus.get_object(latest.weights.digest))
+    by_version = {e.data.version: e.data for e in published}
+    latest = by_version[4]
+    weights = await published_weights(bus, latest)
+    assert latest.format == "shards" and latest.dtype == "float32"
     assert weights.keys() == load_safetensors((model_dir / "model.safetensors").read_bytes()).keys()
+    # Retention: the newest and the staleness window before it stay; the rest is deleted, and said so.
+    retired = await wait_for(store, run_id, "weights.retired", 3)
+    assert sorted(e.data.version for e in retired) == [0, 1, 2]
+    gone = [p.data for p in published if p.data.version <= 2]
+    objects = ObjectBlobStore(bus.objects)
+    assert not any([await objects.has(p.weights) for p in gone]), "a retired manifest stayed"
+    assert (await published_weights(bus, by_version[3])).keys() == weights.keys()
     formed = await events_of(store, run_id, "trainer.group_formed")
     assert [e.data.generation for e in formed] == [1, 2], "each incarnation forms a generation of its own"
 

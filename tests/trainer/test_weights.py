@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -14,10 +15,12 @@ import pytest
 import torch
 
 from services.trainer.distributed import GroupSpec, free_port
-from services.trainer.engine import Trainer, TrainerConfig
+from services.trainer.engine import PublishedShards, Trainer, TrainerConfig
 from services.trainer.loss import GspoConfig
 from services.trainer.weights import load_weights, write_model_dir
 from gyre.tinymodel import create_tiny_model
+from shared.blobs import blob_ref
+from shared.weights import decode_shard, manifest_for
 from tests.trainer.trainer_trees import make_batch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,10 +38,32 @@ def published(tmp_path_factory: pytest.TempPathFactory) -> dict:
             trainer.model.config._attn_implementation = "sdpa"
             logits = trainer.model(input_ids=torch.tensor([tokens]), use_cache=False).logits[0].float()
         data = trainer.weights_bytes()
+        shards = trainer.weights_shards()
+        trainer.config = dataclasses.replace(trainer.config, publish_dtype="bfloat16", shard_bytes=20_000)
+        bf16 = trainer.weights_shards()
     finally:
         trainer.close()
-    assert data is not None
-    return {"base": base, "bytes": data, "tokens": tokens, "logits": logits}
+    assert data is not None and shards is not None and bf16 is not None
+    return {"base": base, "bytes": data, "tokens": tokens, "logits": logits, "shards": shards, "bf16": bf16}
+
+
+def _decoded(published: PublishedShards) -> dict[str, torch.Tensor]:
+    encoded = list(published.shards())
+    manifest = manifest_for([(blob_ref(data), n) for data, n in encoded], published.dtype_name)
+    out: dict[str, torch.Tensor] = {}
+    for (data, _), shard in zip(encoded, manifest.shards, strict=True):
+        out.update(decode_shard(data, shard, manifest.dtype))
+    return out
+
+
+def test_the_publication_holds_the_same_tensors_as_the_model_file_in_the_publish_dtype(published: dict) -> None:
+    whole = load_weights(published["bytes"])
+    assert published["shards"].dtype_name == "float32", "auto: the tiny model's own dtype"
+    assert {k: v for k, v in _decoded(published["shards"]).items()}.keys() == whole.keys()
+    assert all(torch.equal(_decoded(published["shards"])[k], whole[k]) for k in whole)
+    bf16 = _decoded(published["bf16"])
+    assert published["bf16"].dtype_name == "bfloat16" and len(list(published["bf16"].shards())) > 1
+    assert all(bf16[k].dtype == torch.bfloat16 and torch.equal(bf16[k], whole[k].to(torch.bfloat16)) for k in whole)
 
 
 def test_published_weights_have_the_base_model_names_and_changed_values(published: dict) -> None:
