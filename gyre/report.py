@@ -26,6 +26,9 @@ from shared.events import (
     KvMigrated,
     RankStepped,
     StepCompleted,
+    WeightsLoaded,
+    WeightsPublished,
+    WeightsRetired,
 )
 
 
@@ -90,6 +93,12 @@ class RunReport:
     prefill_tokens_avoided: int = 0
     kv_bytes_moved: int = 0
     kv_fallbacks: dict[str, int] = field(default_factory=dict)  # moves that tried KV and recomputed, by reason
+    # One row per published version (weights.published → each worker's weights.loaded): `publish_s` from the
+    # step's end to the weights stored, `served_s` from then until the last worker served them, `pauses` how
+    # long each worker held new calls for the swap.
+    weight_syncs: list[dict[str, Any]] = field(default_factory=list)
+    weights_retired: int = 0  # versions whose objects retention deleted
+    weights_retired_bytes: int = 0
     wall_s: float | None = None
 
     def to_json(self) -> str:
@@ -127,6 +136,8 @@ def build_report(run_id: str, events: Sequence[Event]) -> RunReport:
     role_since: dict[str, tuple[str, float]] = {}
     serving: dict[str, str] = {}  # cell -> the role it serves (cell.ready) until it leaves it
     switching: dict[str, Switch] = {}
+    syncs: dict[int, dict[str, Any]] = {}
+    served_by: set[tuple[str, int]] = set()  # (worker, version): the first weights.loaded of each counts
     t0 = events[0].occurred_at if events else None
 
     def t(event: Event) -> float:
@@ -194,6 +205,21 @@ def build_report(run_id: str, events: Sequence[Event]) -> RunReport:
             report.switches.append(asdict(switch))
         elif isinstance(data, (CellDraining, CellReleased)):
             serving.pop(data.cell_id, None)  # between roles: it serves neither until cell.ready
+        elif isinstance(data, WeightsPublished):
+            syncs[data.version] = {"version": data.version, "step": data.step, "bytes": data.bytes,
+                                   "dtype": data.dtype, "publish_s": data.publish_s, "published_at_s": t(event),
+                                   "served_s": None, "workers": 0, "pauses": []}
+        elif isinstance(data, WeightsLoaded):
+            sync = syncs.get(data.version)
+            if sync is not None and (data.worker_id, data.version) not in served_by:
+                served_by.add((data.worker_id, data.version))
+                sync["workers"] += 1
+                sync["served_s"] = round(t(event) - sync["published_at_s"], 4)
+                if "pause_s" in data.phases:
+                    sync["pauses"].append(data.phases["pause_s"])
+        elif isinstance(data, WeightsRetired):
+            report.weights_retired += 1
+            report.weights_retired_bytes += data.bytes
     end = t(events[-1]) if events else 0.0
     for cell_id in list(role_since):
         _close_segment(report, role_since, cell_id, end)
@@ -224,6 +250,7 @@ def build_report(run_id: str, events: Sequence[Event]) -> RunReport:
     report.migrations = dict(sorted(migrations.items()))
     if report.unique_tokens:
         report.dedup_factor = report.flat_tokens / report.unique_tokens
+    report.weight_syncs = [syncs[v] for v in sorted(syncs)]
     report.wall_s = end
     return report
 
@@ -286,4 +313,26 @@ def summary_lines(report: RunReport) -> list[str]:
                  f"({report.kv_bytes_moved / 2**20:.1f} MiB of KV moved)")
     if report.kv_fallbacks:
         lines.append("KV moves that recomputed: " + "; ".join(f"{n}× {r}" for r, n in report.kv_fallbacks.items()))
+    lines.extend(_weight_sync_lines(report))
+    return lines
+
+
+def _weight_sync_lines(report: RunReport) -> list[str]:
+    """Version latency (a step's end → every worker serving its weights) and the generation pause per load."""
+    trained = [s for s in report.weight_syncs if s["step"] >= 0 and s["served_s"] is not None]
+    if not trained:
+        return []
+    sizes = sorted({(s["bytes"], s["dtype"]) for s in trained if s["bytes"]})
+    size = f" of {sizes[-1][0] / 2**20:.1f} MiB ({sizes[-1][1]})" if sizes else ""
+    latency = [s["publish_s"] + s["served_s"] for s in trained]
+    pauses = [p for s in trained for p in s["pauses"]]
+    line = (f"weight sync: {len(trained)} versions{size}; step end → every worker serving median "
+            f"{_median(latency):.2f} s (max {max(latency):.2f}; storing them median "
+            f"{_median([s['publish_s'] for s in trained]):.2f} s)")
+    if pauses:
+        line += f"; generation paused median {_median(pauses):.3f} s a load (max {max(pauses):.3f})"
+    lines = [line]
+    if report.weights_retired:
+        lines.append(f"weights retired: {report.weights_retired} versions, "
+                     f"{report.weights_retired_bytes / 2**20:.1f} MiB deleted from the Object Store")
     return lines

@@ -32,7 +32,8 @@ __all__ = [
     "model_info",
 ]
 
-Size = Literal["tiny", "small", "wide"]
+Size = Literal["tiny", "small", "wide", "half"]
+Dtype = Literal["float32", "bfloat16"]
 
 # The one vocabulary size for every tiny model: small enough for fast CPU softmax, large enough that a
 # 50 KB Claude Code request stays well inside the context.
@@ -66,6 +67,15 @@ _SIZES: dict[str, dict[str, int]] = {
         "num_attention_heads": 32,
         "num_key_value_heads": 2,
         "intermediate_size": 3072,
+    },
+    # For the weight-sync benchmark (bench/weights.py): a model of realistic size for this machine, about 0.5 B
+    # parameters (1.0 GB in bf16), shaped like a small Qwen (GQA, wide MLP) with the shared vocabulary.
+    "half": {
+        "hidden_size": 1024,
+        "num_hidden_layers": 33,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 4096,
     },
 }
 
@@ -113,7 +123,7 @@ def _train_tokenizer() -> Any:
     return tokenizer
 
 
-def _qwen3_config(size: Size, *, eos_id: int, pad_id: int) -> dict[str, Any]:
+def _qwen3_config(size: Size, *, eos_id: int, pad_id: int, dtype: Dtype = "float32") -> dict[str, Any]:
     # Written by hand (in the format transformers 5 saves) so creation needs neither a transformers import
     # nor its version string, which would make the bytes depend on the installed release.
     if size not in _SIZES:
@@ -127,7 +137,7 @@ def _qwen3_config(size: Size, *, eos_id: int, pad_id: int) -> dict[str, Any]:
         "bos_token_id": None,
         "eos_token_id": eos_id,
         "pad_token_id": pad_id,
-        "dtype": "float32",
+        "dtype": dtype,
         "head_dim": HEAD_DIM,
         "hidden_act": "silu",
         "initializer_range": INITIALIZER_RANGE,
@@ -200,8 +210,11 @@ def _json_bytes(obj: Any) -> bytes:
     return (json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
 
 
-def create_tiny_model(out_dir: Path, *, seed: int, size: Size = "tiny", overwrite: bool = False) -> Path:
-    """Write a tiny Qwen3 model directory (see the module docstring) and return its path.
+def create_tiny_model(
+    out_dir: Path, *, seed: int, size: Size = "tiny", dtype: Dtype = "float32", overwrite: bool = False
+) -> Path:
+    """Write a tiny Qwen3 model directory (see the module docstring) and return its path. `dtype` bfloat16:
+    the same fp32 draws rounded to bf16, and the config says so (what the engines then serve by default).
 
     Raises ModelDirError when `out_dir` is a file, or exists and is not empty unless `overwrite` is set
     (which replaces the model's files and leaves any others alone).
@@ -221,10 +234,17 @@ def create_tiny_model(out_dir: Path, *, seed: int, size: Size = "tiny", overwrit
     eos_id = tokenizer.token_to_id(EOS_TOKEN)
     pad_id = tokenizer.token_to_id(PAD_TOKEN)
     endoftext_id = tokenizer.token_to_id("<|endoftext|>")
-    config = _qwen3_config(size, eos_id=eos_id, pad_id=pad_id)
+    config = _qwen3_config(size, eos_id=eos_id, pad_id=pad_id, dtype=dtype)
 
     # "format": "pt" is what transformers and vLLM expect to find in the header of PyTorch checkpoints.
-    weights = save(_random_weights(config, seed), metadata={"format": "pt"})
+    if dtype == "float32":
+        weights = save(_random_weights(config, seed), metadata={"format": "pt"})
+    else:  # numpy has no bf16: torch rounds the same draws
+        import torch
+        from safetensors.torch import save as save_torch
+
+        weights = save_torch({k: torch.from_numpy(v).to(torch.bfloat16) for k, v in
+                              _random_weights(config, seed).items()}, metadata={"format": "pt"})
     _write_bytes(out_dir / "model.safetensors", weights)
     _write_bytes(out_dir / "config.json", _json_bytes(config))
     _write_bytes(out_dir / "tokenizer.json", (tokenizer.to_str(pretty=True) + "\n").encode("utf-8"))

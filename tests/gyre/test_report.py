@@ -13,6 +13,9 @@ from shared.events import (
     ExecutionScored,
     ExecutionStarted,
     StepCompleted,
+    WeightsLoaded,
+    WeightsPublished,
+    WeightsRetired,
     new_event,
 )
 from gyre.report import build_report, summary_lines
@@ -149,3 +152,32 @@ def test_an_elastic_run_reports_roles_and_world_size_per_step_and_each_switch_wi
     assert "sessions moved: 1 by kv, 1 by recompute; re-prefill avoided: 500 tokens" in text
     assert "KV moves that recomputed: 1× corrupted or truncated in transit" in text
     assert {f.name for f in write_report(report, tmp_path)} == {"report.json", "training_curve.png", "cell_timeline.png"}
+
+
+def test_weight_sync_reports_each_versions_latency_the_generation_pause_and_what_retention_deleted():
+    ref = BlobRef(digest="sha256:" + "1" * 64, size=1, store="object")
+
+    def published(version: int, t: float):
+        return ev(WeightsPublished(version=version, step=version - 1, weights=ref, format="shards",
+                                   dtype="bfloat16", bytes=3 * 2**20, publish_s=0.5), t)
+
+    def loaded(worker: str, version: int, t: float, pause: float | None):
+        phases = {"fetch_s": 0.3, "pause_s": pause, "swap_s": 0.1} if pause is not None else {}
+        return ev(WeightsLoaded(cell_id=worker, worker_id=worker, version=version, phases=phases), t)
+
+    events = [
+        published(0, 0), loaded("w0", 0, 1, None), loaded("w1", 0, 1, None),
+        published(1, 10), loaded("w0", 1, 11, 0.2), loaded("w1", 1, 12, 0.4),
+        loaded("w1", 1, 13, None),  # a redelivered record: the first one counts
+        published(2, 20), loaded("w0", 2, 20.5, 0.1), loaded("w1", 2, 21, 0.3),
+        ev(WeightsRetired(version=0, objects=4, bytes=3 * 2**20, kept=[1, 2]), 21),
+    ]
+    report = build_report("r", events)
+    by_version = {s["version"]: s for s in report.weight_syncs}
+    assert by_version[1]["served_s"] == 2.0 and by_version[1]["workers"] == 2 and by_version[1]["pauses"] == [0.2, 0.4]
+    assert by_version[2]["served_s"] == 1.0
+    assert (report.weights_retired, report.weights_retired_bytes) == (1, 3 * 2**20)
+    text = "\n".join(summary_lines(report))
+    assert "weight sync: 2 versions of 3.0 MiB (bfloat16); step end → every worker serving median 2.00 s" in text
+    assert "(max 2.50; storing them median 0.50 s); generation paused median 0.250 s a load (max 0.400)" in text
+    assert "weights retired: 1 versions, 3.0 MiB deleted" in text

@@ -117,6 +117,19 @@ def test_rejects_unknown_size(tmp_path: Path) -> None:
         create_tiny_model(tmp_path / "m", seed=1, size="huge")  # type: ignore[arg-type]
 
 
+def test_a_bf16_model_holds_the_fp32_draws_rounded_and_says_so(tiny_dir: Path, tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    bf16 = create_tiny_model(tmp_path / "bf16", seed=7, dtype="bfloat16")
+    assert json.loads((bf16 / "config.json").read_text())["dtype"] == "bfloat16"
+    ours, theirs = load_file(str(bf16 / "model.safetensors")), load_file(str(tiny_dir / "model.safetensors"))
+    assert ours.keys() == theirs.keys()
+    assert all(ours[k].dtype == torch.bfloat16 and torch.equal(ours[k], theirs[k].to(torch.bfloat16)) for k in ours)
+    assert AutoModelForCausalLM.from_pretrained(str(bf16)).dtype == torch.bfloat16
+
+
 # ---------------------------------------------------------------------------------------------------
 # transformers
 
