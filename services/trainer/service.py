@@ -15,6 +15,7 @@ import asyncio
 import math
 import re
 import time
+from functools import partial
 from pathlib import Path
 from collections.abc import Awaitable
 from typing import Any, TypeVar
@@ -24,7 +25,7 @@ from services.trainer.cell_facts import CellFacts
 from services.trainer.membership import CELL_FACTS, Decision, DrainOrder, decide
 from services.trainer.options import TrainerOptions
 from services.trainer.protocol import FormRequest, StepReply, StepRequest, TrainerSpec, TrainerState
-from services.trainer.retention import Publication, plan_retirement
+from services.trainer.publications import Publications
 from shared.bus import ConsumerOptions
 from shared.effects import Effects
 from shared.events import (
@@ -35,15 +36,12 @@ from shared.events import (
     GroupFormed,
     RankStepped,
     StepCompleted,
-    WeightsLoaded,
     WeightsPublished,
-    WeightsRetired,
     stream_id_for,
 )
 from shared.runtime import Service
 from shared.settings import Settings
 from shared.store import ConcurrencyConflict
-from shared.weights import WeightsManifest
 
 
 T = TypeVar("T")
@@ -93,7 +91,7 @@ class TrainerService(Service):
         self._initial_published = False
         self._recovered = False  # the checkpointed step's events recorded after a restart
         self._tcp_store: Any = None
-        self._manifests: dict[int, WeightsManifest] = {}  # published versions' manifests, for retention
+        self.publications: Publications  # what it published, and retention (set up: needs the store)
 
     @property
     def checkpoint_root(self) -> Path:
@@ -111,6 +109,9 @@ class TrainerService(Service):
     async def setup(self) -> None:
         assert self.store is not None and self.bus is not None
         self.client = RankClient(self.bus, self.options.probe_every_s)
+        window = max(self.options.keep_versions, self.settings.max_staleness)
+        self.publications = Publications(self.store, self.blobs, run_id=self.settings.run_id, log=self.log,
+                                         event=self.event, window=window)
         self._tcp_store = await asyncio.to_thread(_tcp_store, self.options.store_port)
         run_id = self.settings.run_id
         formed = await self.store.read_all(types=["trainer.group_formed"], run_id=run_id)
@@ -398,65 +399,12 @@ class TrainerService(Service):
                            expected_version="any")
         n = step - self.options.first_step + 1
         if n == 1 or n % self.options.publish_every == 0:
-            published = await self._publication(state.policy_version, step, *(weights or await self._publish()))
+            published = await self.publications.published(state.policy_version, step,
+                                                          *(weights or await self._publish()))
             stream = weights_stream_id(self.settings.run_id, state.policy_version)
             effects.append([self.event(published, stream_id=stream, version=1, cause=cause)], expected_version=0)
-            effects.after_commit(self._retire)
+            effects.after_commit(lambda: self.publications.retire(partial(weights_stream_id, self.settings.run_id)))
         return effects
-
-    async def _publication(self, version: int, step: int, manifest_ref: BlobRef, publish_s: float) -> WeightsPublished:
-        manifest = WeightsManifest.from_bytes(await self.blobs.get(manifest_ref))
-        self._manifests[version] = manifest
-        return WeightsPublished(version=version, step=step, weights=manifest_ref, format="shards",
-                                dtype=manifest.dtype, bytes=manifest.size, publish_s=round(publish_s, 4))
-
-    async def _retire(self) -> None:
-        """Delete the objects of published versions no one needs any more (retention.py): kept are the newest,
-        the window before it (the staleness bound at least) and what each worker last said it serves. Each
-        retired version gets `weights.retired`. Best effort: a failure is logged and the next publication
-        tries again."""
-        assert self.store is not None
-        try:
-            run_id = self.settings.run_id
-            stored = await self.store.read_all(types=["weights.published", "weights.loaded", "weights.retired"],
-                                               run_id=run_id)
-            published: list[WeightsPublished] = []
-            served: dict[str, int] = {}
-            retired: set[int] = set()
-            for s in stored:
-                data = s.event.data
-                if isinstance(data, WeightsPublished):
-                    published.append(data)
-                elif isinstance(data, WeightsLoaded):
-                    served[data.worker_id] = data.version
-                elif isinstance(data, WeightsRetired):
-                    retired.add(data.version)
-            # A retired version's manifest is gone with it: only the others are read.
-            publications = {p.version: await self._retention_view(p) for p in published if p.version not in retired}
-            window = max(self.options.keep_versions, self.settings.max_staleness)
-            plan = plan_retirement(publications, window=window, served=served.values(), retired=retired)
-            for version, objects in sorted(plan.objects.items()):
-                deleted = 0
-                for digest, size in objects.items():
-                    if await self.blobs.delete(BlobRef(digest=digest, size=size, store="object")):
-                        deleted += 1
-                self._manifests.pop(version, None)
-                event = self.event(WeightsRetired(version=version, objects=deleted, bytes=sum(objects.values()),
-                                                  kept=plan.kept), stream_id=weights_stream_id(run_id, version))
-                await self.emit([event])
-                self.log.info("weights_retired", version=version, objects=deleted, bytes=sum(objects.values()),
-                              kept=plan.kept)
-        except Exception as exc:  # retention must never fail a step: the next publication retries
-            self.log.warning("weights_retention_failed", error=f"{type(exc).__name__}: {exc}")
-
-    async def _retention_view(self, data: WeightsPublished) -> Publication:
-        if data.format == "safetensors":
-            return Publication(data.version, data.weights.digest, data.weights.size)
-        manifest = self._manifests.get(data.version)
-        if manifest is None:
-            manifest = WeightsManifest.from_bytes(await self.blobs.get(data.weights))
-            self._manifests[data.version] = manifest
-        return Publication(data.version, data.weights.digest, data.weights.size, manifest)
 
     async def _publish(self) -> tuple[BlobRef, float]:
         """The weights the group holds, stored now: the manifest's reference and the seconds it took."""
@@ -472,7 +420,7 @@ class TrainerService(Service):
         stream = weights_stream_id(self.settings.run_id, 0)
         if await self.store.read_stream(stream):
             return
-        event = self.event(await self._publication(0, -1, *await self._publish()), stream_id=stream)
+        event = self.event(await self.publications.published(0, -1, *await self._publish()), stream_id=stream)
         try:
             await self.emit([event], expected_version=0)
         except ConcurrencyConflict as exc:  # another incarnation published it first: same weights

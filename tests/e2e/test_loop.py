@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from gyre.processes import service_processes, start_all, stop_all
+from gyre.report import build_report
 from tests.conftest import Infra, unique
 from tests.e2e.helpers import loop_test_environment
 
@@ -96,6 +97,13 @@ async def test_one_step_of_the_loop_runs_through_every_service(store, bus, infra
     assert events[batch].data.unique_tokens > 0 and events[batch].data.target_tokens > 0
     # Every call was recorded with the policy version that served it.
     assert {e.data.policy_version for e in events if e.type == "call.completed"} == {0}
+    # The new version went out as shards and the worker says what loading it cost; the report times it.
+    (published,) = [e.data for e in events if e.type == "weights.published" and e.data.version == 1]
+    assert published.format == "shards" and published.bytes > 0 and published.publish_s > 0
+    loads = [e.data for e in events if e.type == "weights.loaded" and e.data.version == 1]
+    assert loads and {"fetch_s", "pause_s", "swap_s"} <= loads[0].phases.keys()
+    sync = {s["version"]: s for s in build_report(run_id, events).weight_syncs}[1]
+    assert sync["workers"] == 1 and sync["served_s"] is not None and len(sync["pauses"]) == 1
 
     # `gyre replay --run` rebuilds every batch from the log alone with the digests the live run emitted.
     replay_env = {**env, "GYRE_DB_SCHEMA": store.schema, "COLUMNS": "250"}
