@@ -124,3 +124,21 @@ def test_bad_arguments_are_refused_with_a_message(bad):
     result = gyre(*bad, env=clean_env())
     assert result.returncode == 2
     assert "huge" in result.stderr or "nonsense" in result.stderr
+
+
+def test_the_top_level_help_lists_every_group_without_importing_the_services():
+    """`gyre --help` names each lazy group with its help text and imports none of them (they bring torch and
+    vLLM); a group's own help mounts the real group."""
+    from gyre.cli import LAZY_GROUPS
+
+    probe = ("import sys, runpy; sys.argv = ['gyre', '--help']\n"
+             "try:\n    runpy.run_module('gyre.cli', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+             "print('IMPORTED', sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm', 'services')))")
+    out = subprocess.run([sys.executable, "-c", probe], env={**clean_env(), "COLUMNS": "200"},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for name, (_, _, help_text) in LAZY_GROUPS.items():
+        assert f" {name} " in out.stdout and help_text in out.stdout
+    assert "IMPORTED []" in out.stdout
+    replay = gyre("replay", "--help", env={**clean_env(), "COLUMNS": "200"})
+    assert replay.returncode == 0 and "--verify" in replay.stdout
