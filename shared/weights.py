@@ -16,6 +16,7 @@ import json
 import re
 import struct
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -53,6 +54,13 @@ class WeightsManifest(BaseModel):
     tensors: int = Field(ge=1)
     size: int = Field(ge=0)  # bytes: the shards' sizes together
     shards: tuple[WeightShard, ...] = Field(min_length=1)
+    # The same-node handoff: rank 0 also wrote each shard as `<local_dir>/<digest hex>.safetensors` on `node`;
+    # a worker on that node hands those files to its engine instead of reading the Object Store.
+    node: str = ""
+    local_dir: str = ""
+
+    def local_path(self, shard: WeightShard) -> Path:
+        return Path(self.local_dir) / local_name(shard.ref.digest)
 
     def digests(self) -> set[str]:
         return {s.ref.digest for s in self.shards}
@@ -66,6 +74,11 @@ class WeightsManifest(BaseModel):
             return cls.model_validate_json(data)
         except ValueError as exc:
             raise WeightsFormatError(f"not a weights manifest: {exc}") from None
+
+
+def local_name(digest: str) -> str:
+    """A shard's file name in a node-local folder: its digest, so a name says what the bytes are."""
+    return digest.split(":", 1)[1] + ".safetensors"
 
 
 def layer_group(name: str) -> str:
@@ -135,11 +148,13 @@ def encode_shards(
         yield save_safetensors(tensors, metadata={"format": "pt"}), len(tensors)
 
 
-def manifest_for(shards: Sequence[tuple[BlobRef, int]], dtype: str) -> WeightsManifest:
+def manifest_for(shards: Sequence[tuple[BlobRef, int]], dtype: str, *, node: str = "",
+                 local_dir: str = "") -> WeightsManifest:
     """The manifest of stored shards (references and tensor counts, in load order) of one dtype (`bfloat16`)."""
     return WeightsManifest(dtype=dtype.removeprefix("torch."), tensors=sum(n for _, n in shards),
                            size=sum(ref.size for ref, _ in shards),
-                           shards=tuple(WeightShard(ref=ref, tensors=n) for ref, n in shards))
+                           shards=tuple(WeightShard(ref=ref, tensors=n) for ref, n in shards),
+                           node=node, local_dir=local_dir)
 
 
 # safetensors' dtype codes of floating tensors, by torch's names
@@ -195,6 +210,7 @@ __all__ = [
     "decode_shard",
     "encode_shards",
     "layer_group",
+    "local_name",
     "manifest_for",
     "plan_shards",
     "resolve_dtype",

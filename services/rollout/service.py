@@ -208,7 +208,8 @@ class RolloutWorkerService(Service):
         if not self.worker.wants(published.version):
             return None  # an older publication delivered late, or one loaded at start: not worth its download
         try:
-            fetched = await fetch_weights(self.blobs, published, stage_dir=self._weights_stage, log=self.log)
+            fetched = await fetch_weights(self.blobs, published, stage_dir=self._weights_stage,
+                                          node=self.settings.node_id, log=self.log)
         except WeightsGone as exc:
             newest = await self._newest_publication()
             if newest is None or newest.version <= published.version:

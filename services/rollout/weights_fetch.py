@@ -47,6 +47,7 @@ class FetchedWeights:
     dtype: str = ""
     files: list[Path] = field(default_factory=list)
     state_dict: dict[str, torch.Tensor] = field(default_factory=dict)
+    handoff: bool = False  # the files are rank 0's on this node (the same-node handoff): not ours to delete
 
     @property
     def weights(self) -> list[Path] | dict[str, torch.Tensor]:
@@ -55,15 +56,19 @@ class FetchedWeights:
 
     def discard(self) -> None:
         """Remove the staged files (once the engine has loaded them, or given up)."""
+        if self.handoff:
+            return
         for path in self.files:
             path.unlink(missing_ok=True)
 
 
 async def fetch_weights(
-    blobs: Blobs, published: WeightsPublished, *, stage_dir: Path | None = None, log: Any = None
+    blobs: Blobs, published: WeightsPublished, *, stage_dir: Path | None = None, node: str = "", log: Any = None
 ) -> FetchedWeights:
     """The publication's weights, checked shard by shard against its manifest and digests: written to
-    `stage_dir` as files, or decoded into a state dict without one."""
+    `stage_dir` as files, or decoded into a state dict without one. A worker on rank 0's node (`node`, with a
+    staging folder: it hands files to its engine) takes rank 0's own files when they are all there and whole
+    (the same-node handoff), and reads the Object Store otherwise."""
     started = time.perf_counter()
     version = published.version
     if published.format == "safetensors":  # one file: runs recorded before shards
@@ -76,6 +81,13 @@ async def fetch_weights(
         manifest = WeightsManifest.from_bytes(await _read(blobs, published.weights, version))
     except WeightsFormatError as exc:
         raise WeightsUnreadable(f"version {version}: {exc}") from None
+    if stage_dir is not None and node and node == manifest.node and manifest.local_dir:
+        local = await asyncio.to_thread(_handed_over, manifest)
+        if local is not None:
+            return FetchedWeights(manifest.size, len(manifest.shards), time.perf_counter() - started,
+                                  dtype=manifest.dtype, files=local, handoff=True)
+        if log is not None:
+            log.info("weights_handoff_missed", version=version, folder=manifest.local_dir)
     fetched = FetchedWeights(manifest.size, len(manifest.shards), 0.0, dtype=manifest.dtype)
     if stage_dir is not None:
         stage_dir.mkdir(parents=True, exist_ok=True)
@@ -113,6 +125,26 @@ async def fetch_weights(
         log.warning("weights_shards_refetched", version=version, refetched=fetched.refetched)
     fetched.fetch_s = time.perf_counter() - started
     return fetched
+
+
+def _handed_over(manifest: WeightsManifest) -> list[Path] | None:
+    """Rank 0's files of every shard, each of the right size and with the header its manifest entry says;
+    None when any is missing (pruned, or another node's folder of the same name) or is not what it should be.
+    Named by digest and written atomically by rank 0, a file of the right size is not hashed again."""
+    paths = []
+    for shard in manifest.shards:
+        path = manifest.local_path(shard)
+        try:
+            if path.stat().st_size != shard.ref.size:
+                return None
+            with path.open("rb") as f:
+                head = f.read(8)
+                header = f.read(int.from_bytes(head, "little")) if len(head) == 8 else b""
+            check_shard(head + header, shard, manifest.dtype)
+        except (OSError, WeightsFormatError):
+            return None
+        paths.append(path)
+    return paths
 
 
 def _stage(data: bytes, shard: WeightShard, dtype: str, path: Path) -> None:

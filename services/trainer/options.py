@@ -59,6 +59,11 @@ class RankOptions(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="GYRE_TRAINER_", extra="ignore", frozen=True)
 
     cell_id: str = ""
+    # The same-node handoff: rank 0 also writes each published shard to a folder on its node, where rollout
+    # workers on the same node (the same GYRE_NODE_ID) read it instead of the Object Store. Unset folder:
+    # `<state_dir>/weights/published`.
+    local_weights: bool = True
+    local_weights_dir: Path | None = None
 
 
 __all__ = ["RankOptions", "TrainerOptions"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from pathlib import Path
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -38,7 +39,7 @@ from shared.events import BlobRef, RankReady, stream_id_for
 from shared.logging import configure_logging
 from shared.runtime import Service
 from shared.settings import Settings, load_settings
-from shared.weights import MANIFEST_MEDIA_TYPE, SHARD_MEDIA_TYPE, manifest_for
+from shared.weights import MANIFEST_MEDIA_TYPE, SHARD_MEDIA_TYPE, local_name, manifest_for
 
 T = TypeVar("T")
 
@@ -67,6 +68,9 @@ class RankService(Service):
         self.work = RankWork(self.settings.model_dir)
         self.busy: str | None = None  # the verb the torch thread runs
         self._torch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
+        # The same-node handoff (rank 0's publications, for rollout workers on this node): on unless turned off.
+        folder = self.options.local_weights_dir or Path(self.settings.state_dir) / "weights" / "published"
+        self.local = LocalShards(folder, self.settings.node_id) if self.options.local_weights else None
         self._subscriptions: list[Any] = []
         self.warm_s = 0.0
 
@@ -156,7 +160,7 @@ class RankService(Service):
 
     async def _store(self, published: PublishedShards) -> tuple[BlobRef, float]:
         started = time.perf_counter()
-        ref = await store_publication(self.blobs, published)
+        ref = await store_publication(self.blobs, published, self.local)
         seconds = time.perf_counter() - started
         self.log.info("weights_stored", dtype=published.dtype_name, gather_s=round(published.seconds, 3),
                       store_s=round(seconds, 3))
@@ -176,23 +180,59 @@ class RankService(Service):
         return await asyncio.get_running_loop().run_in_executor(self._torch, run)
 
 
-async def store_publication(blobs: Blobs, published: PublishedShards) -> BlobRef:
+async def store_publication(blobs: Blobs, published: PublishedShards, local: LocalShards | None = None) -> BlobRef:
     """Store a publication's shards in the Object Store one after another, each encoded on a thread while the
     one before it is stored (its chunks pipelined), then the manifest that names them; returns the manifest's
-    reference (what `weights.published` carries)."""
+    reference (what `weights.published` carries). With `local`, each shard is also written to the node-local
+    folder (on a thread, beside the next shard's upload) for the same-node handoff, and the manifest says so."""
     shards = published.shards()
     stored: list[tuple[BlobRef, int]] = []
+    writes: list[asyncio.Future[None]] = []
     encoding = asyncio.ensure_future(asyncio.to_thread(next, shards, None))
     try:
         while (shard := await encoding) is not None:
             data, tensors = shard
             encoding = asyncio.ensure_future(asyncio.to_thread(next, shards, None))
-            stored.append((await blobs.put(data, SHARD_MEDIA_TYPE, store="object"), tensors))
+            ref = await blobs.put(data, SHARD_MEDIA_TYPE, store="object")
+            stored.append((ref, tensors))
+            if local is not None:
+                writes.append(asyncio.ensure_future(asyncio.to_thread(local.write, ref.digest, data)))
+        await asyncio.gather(*writes)
     finally:
         if not encoding.done():
             encoding.cancel()
-    manifest = manifest_for(stored, published.dtype_name)
+    if local is None:
+        manifest = manifest_for(stored, published.dtype_name)
+    else:
+        manifest = manifest_for(stored, published.dtype_name, node=local.node, local_dir=str(local.folder))
+        local.keep_only(manifest.digests())
     return await blobs.put(manifest.to_bytes(), MANIFEST_MEDIA_TYPE, store="object")
+
+
+class LocalShards:
+    """The same-node handoff's folder on rank 0's node: each shard written as `<digest hex>.safetensors` (atomic:
+    a reader never sees half a file), and only the newest `keep` publications' files kept (a worker that finds
+    one gone reads the Object Store instead)."""
+
+    def __init__(self, folder: Path, node: str, keep: int = 3) -> None:
+        self.folder, self.node, self.keep = Path(folder), node, keep
+        self._recent: list[set[str]] = []  # the digests of the publications written, oldest first
+
+    def write(self, digest: str, data: bytes) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / local_name(digest)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(data)
+        tmp.replace(path)
+
+    def keep_only(self, digests: set[str]) -> None:
+        """Record a publication's digests; delete the files of any publication older than the newest `keep`
+        (and what a process before this one left)."""
+        self._recent = [*self._recent, digests][-self.keep :]
+        wanted = {local_name(d) for recent in self._recent for d in recent}
+        for path in self.folder.glob("*.safetensors*"):
+            if path.name not in wanted:
+                path.unlink(missing_ok=True)
 
 
 def main() -> None:
@@ -201,4 +241,4 @@ def main() -> None:
     asyncio.run(RankService(settings).run(freeze_heap=True))
 
 
-__all__ = ["RankRefused", "RankService", "TrainerRankError", "main", "store_publication"]
+__all__ = ["LocalShards", "RankRefused", "RankService", "TrainerRankError", "main", "store_publication"]

@@ -14,11 +14,20 @@ import torch
 from services.rollout.service import RolloutSettings, RolloutWorkerService
 from services.rollout.weights_fetch import SHARD_ATTEMPTS, WeightsGone, WeightsUnreadable, fetch_weights
 from services.rollout.worker import RolloutWorker
+from services.trainer.engine import PublishedShards
+from services.trainer.rank import LocalShards, store_publication
 from shared.blobs import BlobCorrupted, Blobs, InMemoryBlobStore
 from shared.events import BlobRef, WeightsPublished, new_event
 from shared.objects import ObjectBlobStore
 from shared.settings import Settings
-from shared.weights import MANIFEST_MEDIA_TYPE, SHARD_MEDIA_TYPE, WeightsManifest, encode_shards, manifest_for
+from shared.weights import (
+    MANIFEST_MEDIA_TYPE,
+    SHARD_MEDIA_TYPE,
+    WeightsManifest,
+    encode_shards,
+    local_name,
+    manifest_for,
+)
 from tests.conftest import Infra, drop_bus, make_bus
 from tests.rollout.fakes import CharCodec, ScriptedEngine
 
@@ -189,3 +198,65 @@ async def test_a_worker_joining_late_loads_the_newest_kept_version(store, bus, t
     await service._load_newest()  # noqa: SLF001 - what set-up does before the worker serves
     assert service.worker.policy_version == 5
     assert all(torch.equal(engine.loaded[k], newest[k].to(torch.bfloat16)) for k in newest)
+
+
+async def handed_over(blobs: Blobs, folder: Path, sd: dict[str, torch.Tensor], version: int,
+                      local: LocalShards | None = None) -> WeightsPublished:
+    """What rank 0 stores with the same-node handoff on (`store_publication` with its local folder)."""
+    local = local or LocalShards(folder, "node-a")
+    ref = await store_publication(blobs, PublishedShards(sd, torch.bfloat16, 2_000), local)
+    manifest = WeightsManifest.from_bytes(await blobs.get(ref))
+    return WeightsPublished(version=version, step=version - 1, weights=ref, format="shards", dtype=manifest.dtype,
+                            bytes=manifest.size)
+
+
+async def test_a_worker_on_rank_0s_node_takes_its_files_and_reads_no_shard_from_the_object_store(
+        blobs: Blobs, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    sd = weights(7)
+    published = await handed_over(blobs, tmp_path / "published", sd, 3)
+    manifest = WeightsManifest.from_bytes(await blobs.get(published.weights))
+    assert (manifest.node, manifest.local_dir) == ("node-a", str(tmp_path / "published"))
+    no_reads = FlakyBlobs(blobs, manifest.digests(), bad=10**6)  # any shard read would fail
+    fetched = await fetch_weights(no_reads, published, stage_dir=tmp_path / "stage", node="node-a")
+    assert fetched.handoff and no_reads.reads == 0
+    assert all(p.parent == tmp_path / "published" for p in fetched.files)
+    staged: dict[str, torch.Tensor] = {}
+    for path in fetched.files:
+        staged.update(load_file(str(path)))
+    assert all(torch.equal(staged[k], sd[k].to(torch.bfloat16)) for k in sd)
+    fetched.discard()
+    assert all(p.exists() for p in fetched.files), "rank 0's files are not the worker's to delete"
+    # Another node, or a worker without a staging folder, reads the Object Store.
+    elsewhere = await fetch_weights(blobs, published, stage_dir=tmp_path / "stage", node="node-b")
+    assert not elsewhere.handoff and elsewhere.files[0].parent == tmp_path / "stage"
+    elsewhere.discard()
+    assert not (await fetch_weights(blobs, published, node="node-a")).handoff
+
+
+async def test_a_handoff_file_missing_or_cut_short_sends_the_worker_to_the_object_store(
+        blobs: Blobs, tmp_path: Path) -> None:
+    sd = weights(8)
+    published = await handed_over(blobs, tmp_path / "published", sd, 4)
+    manifest = WeightsManifest.from_bytes(await blobs.get(published.weights))
+    first, second = (manifest.local_path(s) for s in manifest.shards[:2])
+    first.write_bytes(first.read_bytes()[:-10])
+    fetched = await fetch_weights(blobs, published, stage_dir=tmp_path / "stage", node="node-a")
+    assert not fetched.handoff and len(fetched.files) == len(manifest.shards)
+    fetched.discard()
+    second.unlink()
+    assert not (await fetch_weights(blobs, published, stage_dir=tmp_path / "stage", node="node-a")).handoff
+
+
+async def test_rank_0_keeps_the_files_of_its_newest_publications_only(blobs: Blobs, tmp_path: Path) -> None:
+    folder = tmp_path / "published"
+    (folder / "left-by-a-dead-process.safetensors").parent.mkdir(parents=True)
+    (folder / "left-by-a-dead-process.safetensors").write_bytes(b"x")
+    local = LocalShards(folder, "node-a", keep=2)
+    manifests = []
+    for v in range(4):
+        published = await handed_over(blobs, folder, weights(100 + v), v, local)
+        manifests.append(WeightsManifest.from_bytes(await blobs.get(published.weights)))
+    kept = {p.name for p in folder.iterdir()}
+    assert kept == {local_name(d) for m in manifests[-2:] for d in m.digests()}
