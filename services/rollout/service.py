@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import sys
@@ -70,7 +71,9 @@ class RolloutSettings(BaseSettings):
     cell_id: str = "cell-0"
     capacity: int = 64  # live sessions this worker accepts
     max_model_len: int = 8192
-    dtype: str = "float32"
+    # The dtype the engine serves: auto is the model's own (its config's), the dtype the trainer publishes in
+    # by default (GYRE_TRAINER_PUBLISH_DTYPE=auto), so weights load without a cast; fp32 for the tiny models.
+    dtype: str = "auto"
     # How a moved session's KV travels between workers: "nats" (the bus's Object Store: any node, nothing shared
     # but NATS) or "none" (sessions move by recompute).
     kv_transport: Literal["nats", "none"] = "nats"
@@ -98,6 +101,20 @@ class RolloutSettings(BaseSettings):
     # The run's execution-token secret (shared.execution_tokens), shared with the harness: required by the gateway.
     token_secret: str = ""
     max_body_bytes: int = 32 * 1024 * 1024
+
+
+def served_dtype(requested: str, model_dir: Path) -> str:
+    """`requested`, or for `auto` the model's own dtype from its config.json (`dtype`, or the older
+    `torch_dtype`); float32 when the config names none. Resolved here rather than by vLLM, whose `auto` serves
+    an fp32 checkpoint in half precision on some platforms."""
+    if requested != "auto":
+        return requested
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "float32"
+    named = config.get("dtype") or config.get("torch_dtype")
+    return named if named in ("float32", "bfloat16", "float16") else "float32"
 
 
 class RolloutWorkerService(Service):
@@ -144,7 +161,8 @@ class RolloutWorkerService(Service):
         self._weights_stage = r.weights_staging or Path(self.settings.state_dir) / "weights" / worker_id
         shutil.rmtree(self._weights_stage, ignore_errors=True)  # shards a dead process never swapped in
         self.engine = VllmEngine.start(
-            VllmConfig(model=self.settings.model_dir, max_model_len=r.max_model_len, dtype=r.dtype,
+            VllmConfig(model=self.settings.model_dir, max_model_len=r.max_model_len,
+                       dtype=served_dtype(r.dtype, self.settings.model_dir),
                        kv_storage=kv_storage, sleep_mode=r.sleep_mode,
                        kv_connector=r.kv_connector if r.kv_transport != "none" else "gyre")
         )

@@ -260,3 +260,18 @@ async def test_rank_0_keeps_the_files_of_its_newest_publications_only(blobs: Blo
         manifests.append(WeightsManifest.from_bytes(await blobs.get(published.weights)))
     kept = {p.name for p in folder.iterdir()}
     assert kept == {local_name(d) for m in manifests[-2:] for d in m.digests()}
+
+
+def test_the_engine_serves_the_models_own_dtype_unless_told(tmp_path: Path) -> None:
+    """Workers and the trainer's publications both default to the model's dtype, so weights load uncast."""
+    import json
+
+    from services.rollout.service import served_dtype
+
+    for config, expected in (({"dtype": "bfloat16"}, "bfloat16"), ({"torch_dtype": "float16"}, "float16"),
+                             ({"dtype": "float32"}, "float32"), ({}, "float32"), ({"dtype": "int8"}, "float32")):
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        assert served_dtype("auto", tmp_path) == expected
+    assert served_dtype("bfloat16", tmp_path) == "bfloat16"
+    assert served_dtype("auto", tmp_path / "missing") == "float32"
+    assert RolloutSettings().dtype == "auto"
