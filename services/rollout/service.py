@@ -55,6 +55,7 @@ from shared.events import (
 from shared.logging import configure_logging
 from shared.runtime import Service
 from shared.settings import Settings, load_settings
+from shared.weights import resolve_dtype
 
 DRAIN_DETAIL_CHARS = 2000  # a drain's detail as `cell.drained` keeps it (one line per session left behind)
 
@@ -105,16 +106,16 @@ class RolloutSettings(BaseSettings):
 
 def served_dtype(requested: str, model_dir: Path) -> str:
     """`requested`, or for `auto` the model's own dtype from its config.json (`dtype`, or the older
-    `torch_dtype`); float32 when the config names none. Resolved here rather than by vLLM, whose `auto` serves
-    an fp32 checkpoint in half precision on some platforms."""
+    `torch_dtype`), as the trainer resolves its publish dtype (shared/weights.py); float32 when the config names
+    none. Resolved here rather than by vLLM, whose `auto` serves an fp32 checkpoint in half precision on some
+    platforms."""
     if requested != "auto":
         return requested
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
-        return "float32"
-    named = config.get("dtype") or config.get("torch_dtype")
-    return named if named in ("float32", "bfloat16", "float16") else "float32"
+        config = {}
+    return str(resolve_dtype("auto", config.get("dtype") or config.get("torch_dtype"))).removeprefix("torch.")
 
 
 class RolloutWorkerService(Service):

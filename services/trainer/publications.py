@@ -22,6 +22,11 @@ class Publications:
         self.store, self.blobs, self.run_id, self.window, self.log = store, blobs, run_id, window, log
         self._event = event  # the service's event factory (`Service.event`): an event of this run
         self._manifests: dict[int, WeightsManifest] = {}  # published versions' manifests, read once
+        # The log folded so far (read on from `_position` at each retirement, not again from the start).
+        self._position = 0
+        self._published: dict[int, WeightsPublished] = {}
+        self._served: dict[str, int] = {}  # worker → the version it last said it serves
+        self._retired: set[int] = set()
 
     async def published(self, version: int, step: int, manifest_ref: BlobRef, publish_s: float) -> WeightsPublished:
         """`weights.published` for a manifest rank 0 stored (read back for its dtype and size)."""
@@ -36,34 +41,39 @@ class Publications:
         retired version gets `weights.retired` on its stream (`stream_of(version)`). Best effort: a failure
         is logged and the next publication tries again."""
         try:
-            stored = await self.store.read_all(types=["weights.published", "weights.loaded", "weights.retired"],
-                                               run_id=self.run_id)
-            published: list[WeightsPublished] = []
-            served: dict[str, int] = {}
-            retired: set[int] = set()
-            for s in stored:
-                data = s.event.data
-                if isinstance(data, WeightsPublished):
-                    published.append(data)
-                elif isinstance(data, WeightsLoaded):
-                    served[data.worker_id] = data.version
-                elif isinstance(data, WeightsRetired):
-                    retired.add(data.version)
+            await self._read_on()
             # A retired version's manifest is gone with it: only the others are read.
-            publications = {p.version: await self._view(p) for p in published if p.version not in retired}
-            plan = plan_retirement(publications, window=self.window, served=served.values(), retired=retired)
+            publications = {v: await self._view(p) for v, p in self._published.items() if v not in self._retired}
+            plan = plan_retirement(publications, window=self.window, served=self._served.values(),
+                                   retired=self._retired)
             for version, objects in sorted(plan.objects.items()):
                 deleted = 0
                 for digest, size in objects.items():
                     if await self.blobs.delete(BlobRef(digest=digest, size=size, store="object")):
                         deleted += 1
                 self._manifests.pop(version, None)
+                self._published.pop(version, None)
                 size = sum(objects.values())
                 data = WeightsRetired(version=version, objects=deleted, bytes=size, kept=plan.kept)
                 await self.store.append([self._event(data, stream_id=stream_of(version))], expected_version="any")
+                self._retired.add(version)
                 self.log.info("weights_retired", version=version, objects=deleted, bytes=size, kept=plan.kept)
         except Exception as exc:  # retention must never fail a step: the next publication retries
             self.log.warning("weights_retention_failed", error=f"{type(exc).__name__}: {exc}")
+
+    async def _read_on(self) -> None:
+        """Fold the publications, loads and retirements recorded since the last read."""
+        types = ["weights.published", "weights.loaded", "weights.retired"]
+        while page := await self.store.read_after(self._position, limit=5000, types=types, run_id=self.run_id):
+            for s in page:
+                data = s.event.data
+                if isinstance(data, WeightsPublished):
+                    self._published[data.version] = data
+                elif isinstance(data, WeightsLoaded):
+                    self._served[data.worker_id] = data.version
+                elif isinstance(data, WeightsRetired):
+                    self._retired.add(data.version)
+            self._position = page[-1].position
 
     async def _view(self, data: WeightsPublished) -> Publication:
         if data.format == "safetensors":  # one file, from before shards

@@ -1,6 +1,5 @@
-"""Weight publication format: the full state dict as safetensors bytes, and a loadable model directory.
-
-The bytes are what goes to the blob store; rollout workers feed them to vLLM's in-place reload.
+"""The full state dict as one safetensors file, and a loadable model directory built around it (the runner's and
+`bench/learning.py`'s output). What is published to rollout workers is the sharded format of shared/weights.py.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-WEIGHTS_MEDIA_TYPE = "application/x-safetensors"
 # Files of a Hugging Face model directory that are not weights; copied next to published weights.
 _MODEL_FILES = (
     "config.json",
