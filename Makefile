@@ -11,7 +11,10 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export VLLM_CACHE_ROOT := $(CURDIR)/.cache/vllm
 export XDG_RUNTIME_DIR ?= $(CURDIR)/.cache/runtime
 CLAUDE_CODE_DIR := $(CURDIR)/.cache/claude-code
-CLAUDE_STAMP := $(CLAUDE_CODE_DIR)/.installed
+# The pinned Claude Code: configs/claude-code.yaml expects it and its recorded first request
+# (services/harness/fixtures/) is this version's.
+CLAUDE_CODE_VERSION := 2.1.197
+CLAUDE_STAMP := $(CLAUDE_CODE_DIR)/.installed-$(CLAUDE_CODE_VERSION)
 export GYRE_CLAUDE_CODE_DIR ?= $(CLAUDE_CODE_DIR)
 
 .PHONY: setup check test test-fast test-slow demo bench claude-code clean
@@ -54,7 +57,7 @@ bench: setup
 # does not run the package's postinstall, which fetches the native binary: run it by hand.
 $(CLAUDE_STAMP):
 	mkdir -p $(CLAUDE_CODE_DIR)
-	cd $(CLAUDE_CODE_DIR) && npm install --no-audit --no-fund --loglevel=error @anthropic-ai/claude-code \
+	cd $(CLAUDE_CODE_DIR) && npm install --no-audit --no-fund --loglevel=error @anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION) \
 	  && node node_modules/@anthropic-ai/claude-code/install.cjs && touch $(CLAUDE_STAMP) \
 	  || echo "warning: Claude Code could not be installed; its tests will say so"
 

@@ -16,6 +16,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from gyre import local
 from shared.settings import Settings, load_settings
@@ -227,10 +228,11 @@ def _mount(name: str) -> bool:
 def _user_errors() -> tuple[type[BaseException], ...]:
     from pydantic import ValidationError
 
-    from shared.settings import SettingsError
+    from gyre.config import ConfigError
     from gyre.tinymodel import TinyModelError
+    from shared.settings import SettingsError
 
-    return (SettingsError, ValidationError, local.LocalInfraError, TinyModelError, FileNotFoundError)
+    return (SettingsError, ConfigError, ValidationError, local.LocalInfraError, TinyModelError, FileNotFoundError)
 
 
 def _export_endpoints() -> None:
@@ -248,21 +250,25 @@ def _export_endpoints() -> None:
 
 def main() -> None:
     args = sys.argv[1:]
-    if args and args[0] in LAZY_GROUPS:
-        _export_endpoints()
-        _mount(args[0])
-    elif not args or args[0] in ("--help", "-h"):
-        # Listed by name and help text, not imported: the groups' modules import torch and vLLM (8 s of the
-        # top-level help, now ~0.3 s); `gyre <group> --help` imports the one asked for.
-        for name, (_, _, help_text) in LAZY_GROUPS.items():
-            app.command(name=name, help=help_text, context_settings={"allow_extra_args": True})(_listed)
     try:
+        if args and args[0] in LAZY_GROUPS:
+            _export_endpoints()
+            _mount(args[0])
+        elif not args or args[0] in ("--help", "-h"):
+            # Listed by name and help text, not imported: the groups' modules import torch and vLLM (8 s of the
+            # top-level help, now ~0.3 s); `gyre <group> --help` imports the one asked for.
+            for name, (_, _, help_text) in LAZY_GROUPS.items():
+                app.command(name=name, help=help_text, context_settings={"allow_extra_args": True})(_listed)
         app()  # click handles usage errors itself (message, exit 2)
     except _user_errors() as exc:
-        first = str(exc).strip().splitlines()
-        console.print(f"[red]error:[/] {type(exc).__name__}: {first[0] if first else ''}", highlight=False)
-        if len(first) > 1:
-            console.print("\n".join(first[1:12]), highlight=False, markup=False)
+        lines = str(exc).strip().splitlines()
+        if type(exc).__name__ == "ConfigError":  # every line is a problem of its own, named by its key
+            for line in lines:
+                console.print(f"[red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
+            sys.exit(2)
+        console.print(f"[red]error:[/] {type(exc).__name__}: {escape(lines[0] if lines else '')}", highlight=False)
+        if len(lines) > 1:
+            console.print("\n".join(lines[1:12]), highlight=False, markup=False)
         sys.exit(2)
 
 

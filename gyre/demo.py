@@ -67,10 +67,9 @@ def run_loop() -> int:
         "First a supervised warm-start on an imperfect demonstrator's demonstrations of the shell-task family "
         "(it skips the work or runs a wrong command 70% of the time), then 30 RL steps of 2 queries × 8 "
         "executions on the held-out shipped tasks; the mean reward should climb as RL removes the slips. "
-        "Report and curve in runs/<run_id>/ (docs/learning.md)."
+        "Report and curve in runs/<run_id>/ (docs/learning.md). The run's config: configs/demo.yaml."
     )
-    run(mode="async", steps=30, seed=0, group_size=8, max_staleness=1, queries_per_step=2, lr=3e-4,
-        sft_steps=150, slip_rate=0.7, warm_start_dir=None, timeout_s=1500.0)
+    run(config_file=Path("configs/demo.yaml"))
     return 0
 
 

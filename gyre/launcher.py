@@ -1,5 +1,5 @@
-"""`gyre run`: the whole RL loop on one machine, each service as its own process with the same command
-compose.yaml uses, a live view of the run, and a report at the end.
+"""`gyre run`: the whole RL loop on one machine from one run config (gyre/config.py), each service as its own
+process with the same command compose.yaml uses, a live view of the run, and a report at the end.
 
 The launcher only starts processes and reads the event log; the services talk to each other through
 NATS and PostgreSQL exactly as they would on separate nodes.
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import secrets
 import signal
@@ -17,16 +18,19 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.live import Live
 from rich.table import Table
 
 from gyre import local
+from gyre.config import ConfigError, RunConfig, WarmStartSection, dump, environment, load_config, parse_sets
+from gyre.run_plan import LEARNABLE_FAMILIES, RunPlan, plan_run
 from gyre.report import build_report, summary_lines
 from gyre.report_plots import write_report
 from gyre.processes import Proc, ServiceKeptDying, restart, service_processes, start_all, stop_all
@@ -43,6 +47,57 @@ from shared.events import (
 from shared.settings import load_settings, new_run_id
 
 console = Console()
+
+
+def run_environment(
+    config: RunConfig,
+    *,
+    run_id: str,
+    nats_url: str,
+    database_url: str,
+    model_dir: Path,
+    run_dir: Path,
+    task_ids: list[str],
+    gateway_port: int,
+    token_secret: str | None = None,
+    extra: dict[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment every process of one run shares: the config's settings as the `GYRE_…` variables the
+    services read (gyre/config.py), and where this run's servers, folders and ports are."""
+    cache = run_dir / "cache"
+    cache.mkdir(parents=True, exist_ok=True)
+    # vLLM binds IPC sockets under TMPDIR and a socket path may not exceed 107 bytes: keep it short.
+    ipc = Path(tempfile.gettempdir()) / f"gyre-{hashlib.sha1(run_id.encode()).hexdigest()[:10]}"
+    ipc.mkdir(parents=True, exist_ok=True)
+    secret = token_secret or os.environ.get("GYRE_ROLLOUT_TOKEN_SECRET") or secrets.token_urlsafe(32)
+    cells = config.scheduling.cells
+    env = {
+        **os.environ,
+        **environment(config, model_dir, task_ids),
+        "GYRE_RUN_ID": run_id,
+        "GYRE_NATS_URL": nats_url,
+        "GYRE_DATABASE_URL": database_url,
+        "GYRE_STATE_DIR": str(run_dir / "state"),
+        # A cell's rollout worker serves health on base + index and its trainer rank on base + cells + index: a
+        # free block, so runs on one machine do not clash. Train cells run trainer ranks (the cell agent's default).
+        "GYRE_CELL_HEALTH_PORT_BASE": str(local.free_port_block(2 * cells)),
+        "GYRE_CELL_LOG_DIR": str(run_dir / "logs" / "cells"),
+        "GYRE_ROLLOUT_PORT": str(gateway_port),
+        "GYRE_HARNESS_GATEWAY_URL": f"http://127.0.0.1:{gateway_port}",
+        # The harness derives each execution's token from this secret and the gateway recognises it (no call
+        # between them); the tokens survive a gateway restart (the launcher restarts services) and a resume.
+        "GYRE_ROLLOUT_TOKEN_SECRET": secret,
+        "GYRE_HARNESS_WORK_DIR": str(run_dir / "executions"),
+        "GYRE_TRAINER_CHECKPOINT_DIR": str(run_dir / "checkpoints"),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        "VLLM_CACHE_ROOT": str(cache / "vllm"),
+        "TMPDIR": str(ipc),
+        "PYTHONUNBUFFERED": "1",
+    }
+    env.update(extra or {})
+    return env
 
 
 def loop_environment(
@@ -62,60 +117,16 @@ def loop_environment(
     cells: int = 2,
     extra: dict[str, str] | None = None,
 ) -> dict[str, str]:
-    """The environment every process of one run shares (settings are `GYRE_…` variables)."""
-    cache = run_dir / "cache"
-    cache.mkdir(parents=True, exist_ok=True)
-    # vLLM binds IPC sockets under TMPDIR and a socket path may not exceed 107 bytes: keep it short.
-    ipc = Path(tempfile.gettempdir()) / f"gyre-{hashlib.sha1(run_id.encode()).hexdigest()[:10]}"
-    ipc.mkdir(parents=True, exist_ok=True)
-    token_secret = os.environ.get("GYRE_ROLLOUT_TOKEN_SECRET") or secrets.token_urlsafe(32)
-    env = {
-        **os.environ,
-        "GYRE_RUN_ID": run_id,
-        "GYRE_NATS_URL": nats_url,
-        "GYRE_DATABASE_URL": database_url,
-        "GYRE_STATE_DIR": str(run_dir / "state"),
-        "GYRE_MODEL_DIR": str(model_dir),
-        "GYRE_MODE": mode,
-        "GYRE_GROUP_SIZE": str(group_size),
-        "GYRE_MAX_STALENESS": str(max_staleness),
-        "GYRE_SCHEDULER_TOTAL_STEPS": str(steps),
-        "GYRE_SCHEDULER_SEED": str(seed),
-        "GYRE_SCHEDULER_TASK_IDS": ",".join(task_ids),
-        "GYRE_SCHEDULER_MIN_CELLS": str(cells),
-        "GYRE_SCHEDULER_TICK_S": "0.5",
-        "GYRE_CELL_COUNT": str(cells),
-        # A cell's rollout worker serves health on base + index and its trainer rank on base + cells + index: a
-        # free block, so runs on one machine do not clash. Train cells run trainer ranks (the cell agent's default).
-        "GYRE_CELL_HEALTH_PORT_BASE": str(local.free_port_block(2 * cells)),
-        # The elastic policy's hysteresis scaled to the tiny loop, whose steps take seconds, not minutes.
-        "GYRE_SCHEDULER_ELASTIC_MIN_DWELL_S": "10",
-        "GYRE_SCHEDULER_ELASTIC_TRAIN_HORIZON_S": "30",
-        "GYRE_SCHEDULER_ELASTIC_MARGIN": "0",
-        "GYRE_CELL_LOG_DIR": str(run_dir / "logs" / "cells"),
-        "GYRE_ROLLOUT_PORT": str(gateway_port),
-        "GYRE_ROLLOUT_MODEL_NAME": "gyre-tiny",
-        "GYRE_HARNESS_GATEWAY_URL": f"http://127.0.0.1:{gateway_port}",
-        # The harness derives each execution's token from this secret and the gateway recognises it (no call
-        # between them); the tokens survive a gateway restart (the launcher restarts services).
-        "GYRE_ROLLOUT_TOKEN_SECRET": token_secret,
-        "GYRE_HARNESS_MODEL_NAME": "gyre-tiny",
-        "GYRE_HARNESS_WORK_DIR": str(run_dir / "executions"),
-        # The tiny model's tasks need one or two calls; bound each execution so a step stays short.
-        "GYRE_HARNESS_WALL_BUDGET_S": "90",
-        "GYRE_HARNESS_CALL_BUDGET": "3",
-        "GYRE_HARNESS_MAX_TOKENS": "64",
-        "GYRE_HARNESS_CONCURRENCY": "4",
-        "GYRE_TRAINER_CHECKPOINT_DIR": str(run_dir / "checkpoints"),
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-        "VLLM_CACHE_ROOT": str(cache / "vllm"),
-        "TMPDIR": str(ipc),
-        "PYTHONUNBUFFERED": "1",
-    }
-    env.update(extra or {})
-    return env
+    """A short run's environment from the default config with its shape given (the e2e tests and benches):
+    one query per step, the trainer's own learning rate."""
+    config = RunConfig.model_validate({
+        "seed": seed,
+        "scheduling": {"mode": mode, "steps": steps, "group_size": group_size, "max_staleness": max_staleness,
+                       "cells": cells, "queries_per_step": 1},
+        "optim": {"lr": 1e-6},
+    })
+    return run_environment(config, run_id=run_id, nats_url=nats_url, database_url=database_url, model_dir=model_dir,
+                           run_dir=run_dir, task_ids=task_ids, gateway_port=gateway_port, extra=extra)
 
 
 async def _watch(
@@ -190,69 +201,18 @@ def _view(events: list[Event], procs: list[Proc], steps: int, elapsed: float) ->
     return table
 
 
-# The learnable family: generated shell tasks whose solution is one short command the tiny model can hold
-# (create-file needs the text copied verbatim, which a 2-layer model does not learn in minutes; see
-# docs/learning.md).
-LEARNABLE_FAMILIES: tuple[str, ...] = ("sum-numbers", "count-matches", "uppercase", "sort-lines")
-
-
-def learnable_tasks(families: tuple[str, ...] = LEARNABLE_FAMILIES, tasks_dir: Path = Path("tasks")) -> list[str]:
-    """The shipped tasks of the learnable family (tasks/<family>-<n>); demonstrations never use their parameters.
-
-    Interleaved across families (count-matches-1, sort-lines-1, sum-numbers-1, uppercase-1, count-matches-2,
-    …), so the scheduler's round-robin gives every step a mix of skills: a batch of one family pushes the
-    small shared policy toward that family's command, and the next family's rollouts pay for it.
-    """
-    by_family: dict[str, list[str]] = {}
-    for name in sorted(p.name for p in tasks_dir.iterdir() if p.name.rsplit("-", 1)[0] in families):
-        by_family.setdefault(name.rsplit("-", 1)[0], []).append(name)
-    columns = [by_family[f] for f in sorted(by_family)]
-    return [column[i] for i in range(max(map(len, columns), default=0)) for column in columns if i < len(column)]
-
-
-def resolve_tasks(tasks_dir: Path, task_ids: str) -> list[str]:
-    """The tasks a run trains on: the named ones, each checked to load (a bad one is a clear error here rather
-    than a failed execution later), or the shipped learnable family."""
-    from services.harness.tasks import TaskFormatError, load_task
-
-    if not task_ids.strip():
-        found = learnable_tasks(tasks_dir=tasks_dir)
-        if not found:
-            raise typer.BadParameter(f"{tasks_dir} holds none of the shipped family ({', '.join(LEARNABLE_FAMILIES)}):"
-                                     f" name the tasks to train on with --task-ids")
-        return found
-    chosen = [t.strip() for t in task_ids.split(",") if t.strip()]
-    for task_id in chosen:
-        try:
-            load_task(tasks_dir / task_id)
-        except (TaskFormatError, FileNotFoundError) as exc:
-            raise typer.BadParameter(f"--task-ids {task_id}: {exc}") from exc
-    return chosen
-
-
-@dataclass(frozen=True)
-class WarmStart:
-    """The supervised warm-start: an imperfect demonstrator's demonstrations of the learnable family.
-
-    `slip_rate` of them skip the work or run a wrong command (services/harness/demos.py), so the warm-started
-    policy solves the held-out tasks only part of the time and RL has something to learn.
-    """
-
-    steps: int = 150
-    conversations_per_step: int = 32
-    lr: float = 2e-3
-    slip_rate: float = 0.7
-    families: tuple[str, ...] = LEARNABLE_FAMILIES
-
-
-def warm_start(python: str, base: Path, run_dir: Path, options: WarmStart, seed: int, env: dict[str, str]) -> Path:
-    """Write the demonstrations and run `gyre train sft` as its own process; returns the fine-tuned model."""
+def warm_start(python: str, base: Path, run_dir: Path, options: WarmStartSection, seed: int,
+               env: dict[str, str]) -> Path:
+    """The supervised warm start: an imperfect demonstrator's demonstrations of the learnable family (`slip_rate`
+    of them skip the work or run a wrong command, services/harness/demos.py), trained by `gyre train sft` as its
+    own process, so the policy solves the tasks only part of the time and RL has something to learn. Returns the
+    fine-tuned model."""
     from services.harness.demos import write_demos
 
     out = run_dir / "sft"
     data = run_dir / "warmstart" / "demos.jsonl"
     count = write_demos(
-        data, seed=seed, count=options.steps * options.conversations_per_step, families=options.families,
+        data, seed=seed, count=options.steps * options.conversations_per_step, families=LEARNABLE_FAMILIES,
         slip_rate=options.slip_rate,
     )
     argv = [
@@ -274,90 +234,158 @@ def warm_start(python: str, base: Path, run_dir: Path, options: WarmStart, seed:
     return out
 
 
+@dataclass(frozen=True)
+class RunRecord:
+    """What `--resume` needs beyond the run's config (runs/<id>/config.yaml): the model RL started from, the
+    tasks, and the token secret the run's executions hold. Kept in runs/<id>/run.json, readable by its owner only."""
+
+    run_id: str
+    model_dir: str
+    task_ids: list[str]
+    token_secret: str
+
+    def save(self, run_dir: Path) -> None:
+        path = run_dir / RUN_RECORD
+        path.touch(mode=0o600)
+        path.write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, run_dir: Path) -> RunRecord:
+        path = run_dir / RUN_RECORD
+        if not path.is_file():
+            raise ConfigError(f"--resume {run_dir.name}: no {path} (the run never started its services): start "
+                              f"a new run")
+        return cls(**json.loads(path.read_text()))
+
+
+RUN_RECORD = "run.json"
+RUN_CONFIG = "config.yaml"
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+# `gyre run`'s flags, each an override of one config setting.
+FLAGS: dict[str, str] = {
+    "mode": "scheduling.mode", "steps": "scheduling.steps", "seed": "seed", "group_size": "scheduling.group_size",
+    "max_staleness": "scheduling.max_staleness", "queries_per_step": "scheduling.queries_per_step",
+    "lr": "optim.lr", "sft_steps": "warm_start.steps", "slip_rate": "warm_start.slip_rate",
+    "warm_start_dir": "warm_start.model", "timeout_s": "logging.timeout_s", "tasks_dir": "tasks.dir",
+    "task_ids": "tasks.train", "cells": "scheduling.cells",
+}
+
+
 def run(
-    mode: Annotated[str, typer.Option(help="elastic, async or colocate.")] = "async",
-    steps: Annotated[int, typer.Option(help="RL steps to train.")] = 30,
-    seed: Annotated[int, typer.Option(help="Seed for the model, the tasks and the sampling.")] = 0,
-    group_size: Annotated[int, typer.Option(help="Executions per query (G).")] = 8,
-    max_staleness: Annotated[int, typer.Option(help="Policy versions a rollout may lag the trainer.")] = 1,
-    queries_per_step: Annotated[int, typer.Option(help="Queries (groups of G) per training step.")] = 2,
-    lr: Annotated[float, typer.Option(help="RL learning rate (the trainer's GYRE_TRAINER_LR).")] = 3e-4,
-    sft_steps: Annotated[int, typer.Option(help="Warm-start SFT steps (32 demonstrations each); 0 skips it.")] = 150,
-    slip_rate: Annotated[float, typer.Option(help="Share of demonstrations with a mistake.")] = 0.7,
-    warm_start_dir: Annotated[
-        Path | None, typer.Option("--warm-start", help="Use this warm-started model instead of training one.")
-    ] = None,
-    timeout_s: Annotated[float, typer.Option(help="Give up after this many seconds.")] = 3600.0,
-    tasks_dir_option: Annotated[
-        Path, typer.Option("--tasks-dir", help="Folder of task folders (Terminal-Bench format).")
-    ] = Path("tasks"),
-    task_ids: Annotated[
-        str, typer.Option(help="Comma-separated task ids to train on (default: the shipped shell-task family).")
-    ] = "",
-    cells: Annotated[int, typer.Option(help="Cells on this machine; each runs a rollout worker or a trainer rank.")] = 2,
-    restart: Annotated[
-        bool, typer.Option("--restart", help="Switch cells by restarting their process (default: warm, both kept).")
-    ] = False,
+    config_file: Annotated[Path | None, typer.Option(
+        "--config", help="The run config (YAML or TOML; configs/ has examples). Default: configs/demo.yaml's "
+                         "settings.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Check the config and print the plan; start nothing.")]
+    = False,
+    sets: Annotated[list[str] | None, typer.Option(
+        "--set", help="Override one setting: section.key=value (e.g. scheduling.steps=5); repeatable.")] = None,
+    resume: Annotated[str | None, typer.Option(
+        help="Continue this stopped run (its id) from its log and checkpoints, with its own config.")] = None,
+    mode: Annotated[str | None, typer.Option(help="scheduling.mode: elastic, async or colocate.")] = None,
+    steps: Annotated[int | None, typer.Option(help="scheduling.steps: RL steps to train.")] = None,
+    seed: Annotated[int | None, typer.Option(help="seed: the model, the tasks and the sampling.")] = None,
+    group_size: Annotated[int | None, typer.Option(help="scheduling.group_size: executions per query (G).")] = None,
+    max_staleness: Annotated[int | None, typer.Option(help="scheduling.max_staleness.")] = None,
+    queries_per_step: Annotated[int | None, typer.Option(help="scheduling.queries_per_step.")] = None,
+    lr: Annotated[float | None, typer.Option(help="optim.lr: the RL learning rate.")] = None,
+    sft_steps: Annotated[int | None, typer.Option(help="warm_start.steps; 0 skips the warm start.")] = None,
+    slip_rate: Annotated[float | None, typer.Option(help="warm_start.slip_rate.")] = None,
+    warm_start_dir: Annotated[Path | None, typer.Option(
+        "--warm-start", help="warm_start.model: an already warm-started model.")] = None,
+    timeout_s: Annotated[float | None, typer.Option(help="logging.timeout_s: give up after this.")] = None,
+    tasks_dir: Annotated[Path | None, typer.Option(help="tasks.dir: folder of task folders.")] = None,
+    task_ids: Annotated[str | None, typer.Option(help="tasks.train: comma-separated task ids.")] = None,
+    cells: Annotated[int | None, typer.Option(help="scheduling.cells on this machine.")] = None,
+    restart: Annotated[bool, typer.Option(
+        "--restart", help="scheduling.warm=false: switch cells by restarting their process.")] = False,
 ) -> None:
-    """Run the RL loop: infrastructure, tiny model, SFT warm-start, then RL with every service as a process."""
-    if mode not in ("elastic", "async", "colocate"):
-        raise typer.BadParameter(f"--mode must be elastic, async or colocate, got {mode!r}")
-    if not 0.0 <= slip_rate <= 1.0:
-        raise typer.BadParameter(f"--slip-rate must be a fraction in [0, 1], got {slip_rate}")
-    for name, value, least in (("--steps", steps, 1), ("--group-size", group_size, 1),
-                               ("--queries-per-step", queries_per_step, 1), ("--max-staleness", max_staleness, 0),
-                               ("--sft-steps", sft_steps, 0), ("--cells", cells, 2)):
-        if value < least:
-            raise typer.BadParameter(f"{name} must be at least {least}, got {value}")
-    if lr <= 0 or timeout_s <= 0:
-        raise typer.BadParameter(f"--lr and --timeout-s must be positive, got {lr} and {timeout_s}")
-    if warm_start_dir is not None and not (warm_start_dir / "config.json").is_file():
-        raise typer.BadParameter(f"--warm-start {warm_start_dir}: not a model directory (no config.json)")
-    tasks_dir = tasks_dir_option.resolve()
-    if not tasks_dir.is_dir():
-        if tasks_dir_option == Path("tasks"):
-            raise typer.BadParameter(f"no tasks/ folder in {Path.cwd()}: run `gyre run` from the repository root")
-        raise typer.BadParameter(f"--tasks-dir {tasks_dir_option}: no such folder")
-    chosen = resolve_tasks(tasks_dir, task_ids)
+    """Run the RL loop from one config: infrastructure, model, warm start, then RL with every service as a process."""
+    given = locals()
+    try:
+        config, plan, run_id, run_dir, record = _plan(given, config_file, sets or [], resume, restart)
+        if not dry_run:
+            plan.check()
+    except ConfigError as exc:  # one line per problem, each naming its key; nothing has started
+        for line in str(exc).splitlines():
+            console.print(f"[red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
+    if dry_run:
+        for line in plan.lines(run_dir if record else run_dir.with_name("<run id>")):
+            console.print(line, highlight=False, markup=False, soft_wrap=True)
+        raise typer.Exit(2 if plan.errors else 0)
+    for warning in plan.warnings:
+        console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
+    _run(config, plan, run_id, run_dir, record)
+
+
+def _plan(given: dict[str, Any], config_file: Path | None, sets: list[str], resume: str | None, restart: bool,
+          ) -> tuple[RunConfig, RunPlan, str, Path, RunRecord | None]:
+    """The run's config (the file, or a resumed run's own, with the flags and `--set` over it) and its plan."""
+    overrides: dict[str, Any] = {key: given[flag] for flag, key in FLAGS.items() if given[flag] is not None}
+    overrides = {k: str(v) if isinstance(v, Path) else v for k, v in overrides.items()}
+    if restart:
+        overrides["scheduling.warm"] = False
+    overrides.update(parse_sets(sets))
+    record: RunRecord | None = None
+    if resume is not None:
+        if config_file is not None:
+            raise ConfigError("--resume runs with the run's own config: change settings with --set, not --config")
+        runs_dir = Path(load_config(None, overrides=overrides)[0].logging.runs_dir)
+        record = RunRecord.load(runs_dir / resume)
+        config_file = runs_dir / resume / RUN_CONFIG
+    config, sources = load_config(config_file, overrides=overrides)
+    plan = plan_run(config, sources)
+    run_id = record.run_id if record else new_run_id()
+    return config, plan, run_id, Path(config.logging.runs_dir) / run_id, record
+
+
+def _run(config: RunConfig, plan: RunPlan, run_id: str, run_dir: Path, record: RunRecord | None) -> None:
     settings = load_settings()
     endpoints = local.up(settings.state_dir, nats_url=settings.nats_url, database_url=settings.database_url,
                          schema=settings.db_schema)
-    run_id = new_run_id()
-    run_dir = Path("runs") / run_id
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    console.print(f"[bold]run {run_id}[/] — mode {mode}, {cells} cells, {steps} steps, G={group_size}, "
-                  f"staleness {max_staleness}")
-    from gyre.tinymodel import create_tiny_model
+    s = config.scheduling
+    console.print(f"[bold]run {run_id}[/]{' (resumed)' if record else ''} — mode {s.mode}, {s.cells} cells, "
+                  f"{s.steps} steps, G={s.group_size}, staleness {s.max_staleness}")
+    if record is None:
+        if config.is_tiny():
+            from gyre.tinymodel import create_tiny_model
 
-    model_dir = create_tiny_model(run_dir / "model", seed=seed, size="tiny")
-    env = loop_environment(
-        run_id=run_id, nats_url=endpoints.nats_url, database_url=endpoints.database_url, model_dir=model_dir,
-        run_dir=run_dir, mode=mode, steps=steps, group_size=group_size, max_staleness=max_staleness, seed=seed,
-        task_ids=chosen, gateway_port=local.free_port(), cells=cells,
-        extra={"GYRE_CELL_WARM": "false" if restart else "true","GYRE_SCHEDULER_QUERIES_PER_STEP": str(queries_per_step), "GYRE_TRAINER_LR": str(lr),
-               "GYRE_HARNESS_TASKS_DIR": str(tasks_dir)},
+            model_dir = create_tiny_model(run_dir / "model", seed=config.seed, size=config.model.path)  # type: ignore[arg-type]
+        else:
+            model_dir = Path(config.model.path).resolve()
+        (run_dir / RUN_CONFIG).write_text(dump(config))
+    else:
+        model_dir = Path(record.model_dir)
+    env = run_environment(
+        config, run_id=run_id, nats_url=endpoints.nats_url, database_url=endpoints.database_url,
+        model_dir=model_dir, run_dir=run_dir, task_ids=record.task_ids if record else plan.task_ids,
+        gateway_port=local.free_port(), token_secret=record.token_secret if record else None,
     )
     procs = service_processes(sys.executable)
     # The services run in their own sessions (a Ctrl-C in the terminal reaches only this process), so a
     # SIGTERM or SIGHUP to `gyre run` must stop them as Ctrl-C does.
     previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        if warm_start_dir is not None:
-            env["GYRE_MODEL_DIR"] = str(warm_start_dir)
-        elif sft_steps > 0:
-            options = WarmStart(steps=sft_steps, slip_rate=slip_rate)
-            env["GYRE_MODEL_DIR"] = str(warm_start(sys.executable, model_dir, run_dir, options, seed, env))
+        if record is None:
+            if config.warm_start.model is not None:
+                env["GYRE_MODEL_DIR"] = str(Path(config.warm_start.model).resolve())
+            elif config.warm_start.steps > 0:
+                env["GYRE_MODEL_DIR"] = str(warm_start(sys.executable, model_dir, run_dir, config.warm_start,
+                                                       config.seed, env).resolve())
+            RunRecord(run_id, env["GYRE_MODEL_DIR"], plan.task_ids, env["GYRE_ROLLOUT_TOKEN_SECRET"]).save(run_dir)
         start_all(procs, env, run_dir / "logs")
         events = asyncio.run(
-            _watch(endpoints.database_url, run_id, steps, procs, timeout_s, env, run_dir / "logs",
+            _watch(endpoints.database_url, run_id, s.steps, procs, config.logging.timeout_s, env, run_dir / "logs",
                    schema=settings.db_schema)
         )
     except KeyboardInterrupt:
-        console.print("[yellow]interrupted: stopping every process[/]")
+        console.print(f"[yellow]interrupted: stopping every process[/] — continue with `gyre run --resume {run_id}`")
         raise typer.Exit(130)
     except (TimeoutError, ServiceKeptDying) as exc:
         console.print(f"[red]{exc}[/] — logs in {run_dir / 'logs'}")

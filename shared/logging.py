@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Any
 
@@ -11,9 +12,11 @@ import structlog
 _configured = False
 
 
-def configure_logging(service: str, *, level: str = "INFO", run_id: str | None = None) -> None:
-    """Route structlog and stdlib logging to JSON lines on stderr, tagged with the service name."""
+def configure_logging(service: str, *, level: str | None = None, run_id: str | None = None) -> None:
+    """Route structlog and stdlib logging to JSON lines on stderr, tagged with the service name; at `level`, or
+    the run's GYRE_LOG_LEVEL (INFO when unset)."""
     global _configured
+    level = (level or os.environ.get("GYRE_LOG_LEVEL") or "INFO").upper()
     logging.basicConfig(stream=sys.stderr, level=level, format="%(message)s")
     structlog.configure(
         processors=[

@@ -31,6 +31,7 @@ from services.harness.agent_core import (
     context_tokens,
     cut_middle,
     format_shell_result,
+    main_tools,
     restart_messages,
     should_compact,
     validate_reply,
@@ -134,8 +135,7 @@ class AgentLoop:
         started = self.clock()
         self._deadline = None if budget.wall_clock_s is None else started + budget.wall_clock_s
         self._max_calls = budget.max_calls
-        tools = (SHELL, DELEGATE, SUBMIT) if self.config.max_delegation_depth > 0 else (SHELL, SUBMIT)
-        main = _Chain("main", self.config.system_prompt, tools, instruction, depth=0)
+        main = _Chain("main", self.config.system_prompt, main_tools(self.config), instruction, depth=0)
         status: AgentStatus
         answer: str | None = None
         error: str | None = None

@@ -148,6 +148,22 @@ def should_compact(tokens: int, budget: int | None, message_count: int) -> bool:
     return budget is not None and tokens > budget and message_count > 1
 
 
+def main_tools(config: AgentConfig) -> tuple[str, ...]:
+    """The main agent's tools: delegate only when it may hand work to sub-agents."""
+    return (SHELL, DELEGATE, SUBMIT) if config.max_delegation_depth > 0 else (SHELL, SUBMIT)
+
+
+def first_request(config: AgentConfig, instruction: str) -> dict[str, Any]:
+    """The Messages request the main agent opens an execution with (what the run plan sizes the context by)."""
+    return {
+        "model": config.model,
+        "max_tokens": config.max_tokens,
+        "system": config.system_prompt,
+        "messages": [{"role": "user", "content": instruction}],
+        "tools": [TOOL_SCHEMAS[name] for name in main_tools(config)],
+    }
+
+
 def restart_messages(task: str, summary: str) -> list[dict[str, Any]]:
     """The new context after compaction: the original task and the summary, in one user turn."""
     return [

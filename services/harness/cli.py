@@ -91,6 +91,21 @@ def check_all(tasks_dir: Path = Path("tasks"), backend: Backend = "auto") -> Non
     raise typer.Exit(1 if failures else 0)
 
 
+@harness_app.command("record-claude-code")
+def record_claude_code(
+    install_dir: Annotated[Path, typer.Option(help="Folder holding node_modules/@anthropic-ai/claude-code")] = Path(
+        ".cache/claude-code"),
+) -> None:
+    """Record the installed Claude Code's first request (the fixture the run plan sizes the context from)."""
+    from services.harness.claude_code_request import RECORDED, record_first_request, save_recording
+
+    recording = record_first_request(install_dir)
+    save_recording(recording)
+    request = recording["request"]
+    typer.echo(f"Claude Code {recording['version']}: {len(request.get('tools', []))} tools, "
+               f"{len(json.dumps(request)):,} bytes -> {RECORDED}")
+
+
 @harness_app.command("gen-tasks")
 def gen_tasks(out: Path = Path("tasks")) -> None:
     """(Re)write the generated family of simple tasks."""

@@ -12,47 +12,51 @@ from typer.testing import CliRunner
 
 from gyre import launcher, processes
 from gyre.cli import _mount, app
+from gyre.config import RunConfig
+from gyre.run_plan import LEARNABLE_FAMILIES, learnable_tasks, plan_run
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--mode", "fixed"], "--mode must be elastic, async or colocate"),
-        (["--slip-rate", "1.5"], "--slip-rate must be a fraction"),
-        (["--warm-start", "/nonexistent/model"], "not a model directory"),
-        (["--group-size", "0"], "--group-size must be at least 1"),
-        (["--steps", "0"], "--steps must be at least 1"),
-        (["--timeout-s", "0"], "must be positive"),
-        (["--tasks-dir", "/nonexistent/tasks"], "no such folder"),
-        (["--task-ids", "sum-numbers-1,no-such-task"], "no-such-task"),
+        (["--mode", "fixed"], "error: command line: scheduling.mode: Input should be 'elastic', 'async' or 'colocate'"),
+        (["--slip-rate", "1.5"], "warm_start.slip_rate: Input should be less than or equal to 1"),
+        (["--warm-start", "/nonexistent/model"], "error: warm_start.model: /nonexistent/model is not a model folder"),
+        (["--group-size", "0"], "scheduling.group_size: Input should be greater than or equal to 1"),
+        (["--steps", "0"], "scheduling.steps: Input should be greater than or equal to 1"),
+        (["--timeout-s", "0"], "logging.timeout_s: Input should be greater than 0"),
+        (["--tasks-dir", "/nonexistent/tasks"], "error: tasks.dir: /nonexistent/tasks is not a folder"),
+        (["--task-ids", "sum-numbers-1,no-such-task"], "error: tasks.train: no-such-task"),
+        (["--config", "/nonexistent/run.yaml"], "error: /nonexistent/run.yaml: no such config file"),
     ],
 )
-def test_bad_options_are_refused_before_anything_starts(args: list[str], message: str) -> None:
+def test_bad_options_are_refused_before_anything_starts(args: list[str], message: str, tmp_path: Path) -> None:
     _mount("run")  # what `gyre run` does before typer parses the command line
-    result = CliRunner().invoke(app, ["run", *args], env={"COLUMNS": "200"})
+    result = CliRunner().invoke(app, ["run", *args, "--set", f"logging.runs_dir={tmp_path}"], env={"COLUMNS": "200"})
     assert result.exit_code == 2
     assert message in result.output
+    assert not any(tmp_path.iterdir())  # nothing started: no run folder
 
 
 def test_learnable_tasks_are_the_shipped_tasks_of_the_family() -> None:
-    tasks = launcher.learnable_tasks()
+    tasks = learnable_tasks(Path("tasks"))
     assert len(tasks) == len(set(tasks)) == 10
     # Interleaved: consecutive tasks (one step's queries) come from different families.
     families = [t.rsplit("-", 1)[0] for t in tasks]
-    assert families[:4] == sorted(launcher.LEARNABLE_FAMILIES)
+    assert families[:4] == sorted(LEARNABLE_FAMILIES)
     assert all(a != b for a, b in zip(families, families[1:]))
-    assert {t.rsplit("-", 1)[0] for t in tasks} == set(launcher.LEARNABLE_FAMILIES)
+    assert {t.rsplit("-", 1)[0] for t in tasks} == set(LEARNABLE_FAMILIES)
     assert all((Path("tasks") / t / "task.yaml").is_file() for t in tasks)
 
 
 def test_a_run_trains_on_the_tasks_it_is_given(tmp_path: Path) -> None:
-    """`--task-ids` names the tasks (each must load); without it a folder must hold the shipped family."""
-    assert launcher.resolve_tasks(Path("tasks").resolve(), " fix-python-bug , repair-git-repo") == [
-        "fix-python-bug", "repair-git-repo"]
-    assert launcher.resolve_tasks(Path("tasks").resolve(), "") == launcher.learnable_tasks()
+    """`tasks.train` names the tasks (each must load); without it a folder must hold the shipped family."""
+    given = plan_run(RunConfig.model_validate({"tasks": {"train": ["fix-python-bug", "repair-git-repo"]}}))
+    assert given.task_ids == ["fix-python-bug", "repair-git-repo"] and given.errors == []
+    assert plan_run(RunConfig()).task_ids == learnable_tasks(Path("tasks"))
     (tmp_path / "mine").mkdir()
-    with pytest.raises(typer.BadParameter, match="--task-ids"):
-        launcher.resolve_tasks(tmp_path, "")
+    empty = plan_run(RunConfig.model_validate({"tasks": {"dir": str(tmp_path / "mine")}}))
+    assert any(e.startswith("tasks.train: empty") for e in empty.errors)
 
 
 def test_a_process_that_dies_is_started_again_until_the_limit(tmp_path: Path) -> None:
@@ -143,7 +147,6 @@ def test_sigterm_stops_every_service_as_ctrl_c_does(tmp_path: Path, monkeypatch:
     monkeypatch.chdir(tmp_path)
     stopped: list[str] = []
     monkeypatch.setattr(local, "up", lambda *a, **k: local.Endpoints("nats://x:1", "postgresql://x@y:2/z", True, True))
-    monkeypatch.setattr("gyre.tinymodel.create_tiny_model", lambda path, **k: path)
     monkeypatch.setattr(launcher, "start_all", lambda procs, env, log_dir: None)
     monkeypatch.setattr(launcher, "stop_all", lambda procs, run_id=None: stopped.append(run_id or ""))
 
@@ -157,7 +160,8 @@ def test_sigterm_stops_every_service_as_ctrl_c_does(tmp_path: Path, monkeypatch:
     monkeypatch.setattr(launcher, "_watch", terminated)
     _mount("run")
     before = signal.getsignal(signal.SIGTERM)
-    result = CliRunner().invoke(app, ["run", "--sft-steps", "0"], env={"COLUMNS": "200"})
+    result = CliRunner().invoke(app, ["run", "--sft-steps", "0", "--set", f"logging.runs_dir={tmp_path / 'runs'}"],
+                                env={"COLUMNS": "200"})
     assert result.exit_code == 130, result.output
     assert len(stopped) == 1 and "interrupted" in result.output
     assert signal.getsignal(signal.SIGTERM) == before  # the handler is gone with the run

@@ -1,0 +1,112 @@
+"""Claude Code's first request as it really sends it: recorded from the installed CLI against a local capture
+server (its system prompt and tool definitions, never retyped), shipped as a fixture, and read back with a task's
+instruction in place of the recorded one. The run plan sizes the model's context from it.
+"""
+
+from __future__ import annotations
+
+import copy
+import gzip
+import http.server
+import json
+import os
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+from services.harness.external_harness import claude_code, command_line
+
+RECORDED = Path(__file__).parent / "fixtures" / "claude_code_first_request.json.gz"
+RECORDED_INSTRUCTION = "Create a file hello.txt containing hi."
+
+
+class ClaudeCodeNotRecorded(RuntimeError):
+    """The CLI ended without sending a model request the capture server could read."""
+
+
+def installed_version(install_dir: Path) -> str | None:
+    """The Claude Code version installed under `install_dir` (its package.json), None when there is none."""
+    package = install_dir / "node_modules" / "@anthropic-ai" / "claude-code" / "package.json"
+    try:
+        return str(json.loads(package.read_text())["version"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _capture_server(bodies: list[dict[str, Any]]) -> http.server.ThreadingHTTPServer:
+    """Answers every Messages request with a final text reply, keeping each request body."""
+
+    class Capture(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers.get("content-length") or 0)) or b"{}")
+            if self.path.startswith("/v1/messages") and "count_tokens" not in self.path:
+                bodies.append(body)
+            reply = {"id": "msg_recorded", "type": "message", "role": "assistant", "model": body.get("model", ""),
+                     "content": [{"type": "text", "text": "Done."}], "stop_reason": "end_turn",
+                     "stop_sequence": None, "usage": {"input_tokens": 1, "output_tokens": 1}}
+            data = json.dumps(reply).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            return None
+
+    return http.server.ThreadingHTTPServer(("127.0.0.1", 0), Capture)
+
+
+def record_first_request(install_dir: Path, *, model: str = "gyre-tiny", timeout_s: float = 120.0) -> dict[str, Any]:
+    """Run the installed Claude Code (as the harness's preset runs it: the same flags, variables and home files)
+    once against a capture server, and return the body of the first model request it sent."""
+    preset = claude_code(install_dir.resolve(), model)
+    bodies: list[dict[str, Any]] = []
+    server = _capture_server(bodies)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with tempfile.TemporaryDirectory(prefix="gyre-claude-record-") as scratch:
+            home, work = Path(scratch) / "home", Path(scratch) / "app"
+            work.mkdir()
+            for relative, content in preset.home_files.items():
+                (home / relative).parent.mkdir(parents=True, exist_ok=True)
+                (home / relative).write_text(content)
+            base = f"http://127.0.0.1:{server.server_address[1]}"
+            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "ANTHROPIC_BASE_URL": base,
+                   "ANTHROPIC_AUTH_TOKEN": "recording", **preset.env}
+            done = subprocess.run(command_line(preset, RECORDED_INSTRUCTION), cwd=work, env=env, capture_output=True,
+                                  text=True, timeout=timeout_s)
+    finally:
+        server.shutdown()
+        server.server_close()
+    if not bodies:
+        raise ClaudeCodeNotRecorded(f"Claude Code exited {done.returncode} without a model request: "
+                                    f"{(done.stderr or done.stdout).strip()[-300:]}")
+    return {"version": installed_version(install_dir), "instruction": RECORDED_INSTRUCTION, "request": bodies[0]}
+
+
+def save_recording(recording: dict[str, Any], path: Path = RECORDED) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # mtime 0: the same recording gives the same bytes.
+    path.write_bytes(gzip.compress(json.dumps(recording, indent=1).encode(), mtime=0))
+
+
+def recorded_first_request(instruction: str | None = None, path: Path = RECORDED) -> tuple[str, dict[str, Any]]:
+    """(the Claude Code version it was recorded from, its first request body), with `instruction` in place of
+    the recorded task text when given."""
+    recording = json.loads(gzip.decompress(path.read_bytes()))
+    body = copy.deepcopy(recording["request"])
+    if instruction is not None:
+        for message in body["messages"]:
+            parts = message["content"] if isinstance(message["content"], list) else []
+            for part in parts:
+                if part.get("type") == "text" and part.get("text") == recording["instruction"]:
+                    part["text"] = instruction
+    return str(recording["version"]), body
+
+
+__all__ = ["RECORDED", "ClaudeCodeNotRecorded", "installed_version", "record_first_request",
+           "recorded_first_request", "save_recording"]

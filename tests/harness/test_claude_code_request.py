@@ -1,0 +1,49 @@
+"""Claude Code's first request: recorded from the real CLI (never retyped), shipped as a fixture of the pinned
+version, and read back with a task's instruction in place of the recorded one."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services.harness.claude_code_request import RECORDED_INSTRUCTION, record_first_request, recorded_first_request
+from tests.harness.test_external_harness import claude_code_dir
+
+
+def _tool_names(body: dict) -> list[str]:
+    return [t["name"] for t in body["tools"]]
+
+
+def test_the_fixture_is_the_pinned_versions_first_request() -> None:
+    version, body = recorded_first_request()
+    pinned = re.search(r"^CLAUDE_CODE_VERSION := (\S+)$", Path("Makefile").read_text(), re.M)
+    assert pinned and version == pinned.group(1)
+    assert yaml.safe_load(Path("configs/claude-code.yaml").read_text())["harness"]["claude_code_version"] == version
+    assert {"Bash", "Edit", "Write", "Read", "Agent"} <= set(_tool_names(body))
+    assert any(f"cc_version={version}" in block["text"] for block in body["system"])
+
+
+def test_a_tasks_instruction_takes_the_recorded_ones_place() -> None:
+    _, recorded = recorded_first_request()
+    _, body = recorded_first_request("Count the lines of notes.txt.")
+    texts = [p["text"] for m in body["messages"] if isinstance(m["content"], list) for p in m["content"]
+             if p.get("type") == "text"]
+    assert "Count the lines of notes.txt." in texts and RECORDED_INSTRUCTION not in texts
+    assert body["tools"] == recorded["tools"] and body["system"] == recorded["system"]
+
+
+@pytest.mark.skipif(claude_code_dir() is None, reason="Claude Code is not installed (make claude-code)")
+def test_recording_the_installed_cli_again_gives_the_shipped_prompt_and_tools() -> None:
+    install = claude_code_dir()
+    assert install is not None
+    recording = record_first_request(install)
+    version, shipped = recorded_first_request()
+    assert recording["version"] == version
+    fresh = recording["request"]
+    assert _tool_names(fresh) == _tool_names(shipped)
+    assert [t["input_schema"] for t in fresh["tools"]] == [t["input_schema"] for t in shipped["tools"]]
+    # The system prompt's text is Claude Code's own; only the environment it describes (folder, date) differs.
+    assert len(fresh["system"]) == len(shipped["system"])
