@@ -57,7 +57,7 @@ class HarnessSection(_Section):
 class BudgetsSection(_Section):
     calls: int | None = Field(default=3, ge=1)  # model calls per execution (None: the wall clock alone)
     wall_s: float | None = Field(default=90.0, gt=0)  # per execution, capped by the task's own timeout
-    reply_tokens: int = Field(default=64, ge=1)  # max tokens per reply (the builtin agent's max_tokens)
+    reply_tokens: int = Field(default=64, ge=1)  # per reply: the builtin agent asks for it, the gateway caps any ask
     compact_at_tokens: int = Field(default=6000, ge=1)  # the builtin agent compacts its context past this
 
 
@@ -87,7 +87,9 @@ class OptimSection(_Section):
     eps_high: float = Field(default=4e-4, gt=0)
     is_cap: float = Field(default=2.0, gt=0)  # truncated importance weight for stale rollouts
     precision: Literal["auto", "fp32", "bf16"] = "auto"
-    micro_batch_tokens: int = Field(default=4096, ge=1)
+    # Tokens per packed micro-batch; a sequence is never split, so at least the longest one (unset: the context,
+    # model.max_model_len).
+    micro_batch_tokens: int | None = Field(default=None, ge=1)
     drop_zero_variance: bool = True  # groups whose rewards are all equal carry no advantage
 
 
@@ -123,6 +125,11 @@ class RunConfig(_Section):
         overlap = sorted(set(self.tasks.train) & set(self.tasks.held_out))
         if overlap:
             raise ValueError(f"tasks.held_out: {overlap[0]!r} is also in tasks.train")
+        micro = self.optim.micro_batch_tokens
+        if micro is not None and micro < self.model.max_model_len:
+            raise ValueError(f"optim.micro_batch_tokens: {micro} is below model.max_model_len "
+                             f"{self.model.max_model_len}: a sequence that long could not be packed (none is split); "
+                             f"raise it or leave it unset")
         if self.budgets.reply_tokens >= self.model.max_model_len:
             raise ValueError(f"budgets.reply_tokens: {self.budgets.reply_tokens} leaves no room for a prompt in "
                              f"model.max_model_len {self.model.max_model_len}")
@@ -148,7 +155,7 @@ VARIABLES: dict[str, tuple[str, ...]] = {
     "harness.sandbox": ("GYRE_HARNESS_BACKEND",),
     "budgets.calls": ("GYRE_HARNESS_CALL_BUDGET",),
     "budgets.wall_s": ("GYRE_HARNESS_WALL_BUDGET_S",),
-    "budgets.reply_tokens": ("GYRE_HARNESS_MAX_TOKENS",),
+    "budgets.reply_tokens": ("GYRE_HARNESS_MAX_TOKENS", "GYRE_ROLLOUT_MAX_REPLY_TOKENS"),
     "budgets.compact_at_tokens": ("GYRE_HARNESS_COMPACT_AT_TOKENS",),
     "scheduling.mode": ("GYRE_MODE",),
     "scheduling.cells": ("GYRE_CELL_COUNT", "GYRE_SCHEDULER_MIN_CELLS"),
@@ -306,6 +313,7 @@ def environment(config: RunConfig, model_dir: Path, task_ids: list[str]) -> dict
     values["tasks.train"] = task_ids
     values["tasks.dir"] = str(Path(config.tasks.dir).resolve())
     values["harness.claude_code_dir"] = str(Path(config.harness.claude_code_dir).resolve())
+    values["optim.micro_batch_tokens"] = config.optim.micro_batch_tokens or config.model.max_model_len
     env: dict[str, str] = {}
     for key, names in VARIABLES.items():
         value = values[key]

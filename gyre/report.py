@@ -75,6 +75,7 @@ class RunReport:
     infra_failures: int = 0  # executions infrastructure ended: not trained, not in the reward curve
     stale_executions: int = 0  # executions left out of training: generated beyond the staleness bound
     branches: dict[str, int] = field(default_factory=dict)
+    forks_by_cause: dict[str, int] = field(default_factory=dict)  # the gateway's forks: what the harness rewrote
     unique_tokens: int = 0
     flat_tokens: int = 0
     dedup_factor: float | None = None
@@ -132,6 +133,7 @@ def build_report(run_id: str, events: Sequence[Event]) -> RunReport:
     ranks: dict[int, list[dict[str, Any]]] = defaultdict(list)
     roles_at: dict[int, dict[str, int]] = {}
     branches: Counter[str] = Counter()
+    forks: Counter[str] = Counter()
     migrations: Counter[str] = Counter()
     role_since: dict[str, tuple[str, float]] = {}
     serving: dict[str, str] = {}  # cell -> the role it serves (cell.ready) until it leaves it
@@ -157,6 +159,8 @@ def build_report(run_id: str, events: Sequence[Event]) -> RunReport:
                 rewards[step_of.get(data.execution_id, 0)].append(data.reward)
         elif isinstance(data, ExecutionBranched):
             branches[data.kind] += 1
+            if data.kind == "fork":
+                forks[data.cause or "unknown"] += 1
         elif isinstance(data, BatchReady):
             report.unique_tokens += data.unique_tokens
             report.flat_tokens += data.flat_tokens
@@ -247,6 +251,7 @@ def build_report(run_id: str, events: Sequence[Event]) -> RunReport:
         report.reward_head = _mean([r.mean_reward for r in report.steps[:k]])
         report.reward_tail = _mean([r.mean_reward for r in report.steps[-k:]])
     report.branches = dict(sorted(branches.items()))
+    report.forks_by_cause = dict(sorted(forks.items()))
     report.migrations = dict(sorted(migrations.items()))
     if report.unique_tokens:
         report.dedup_factor = report.flat_tokens / report.unique_tokens
@@ -293,6 +298,9 @@ def summary_lines(report: RunReport) -> list[str]:
                      f"executions and left {report.cap_dropped_targets} target tokens untrained")
     if report.branches:
         lines.append("branches: " + ", ".join(f"{k} {v}" for k, v in report.branches.items()))
+    if report.forks_by_cause:
+        lines.append("forks by cause: " + ", ".join(f"{k.replace('_', ' ')} {v}"
+                                                    for k, v in report.forks_by_cause.items()))
     sizes = sorted({r.world_size for r in report.steps if r.world_size is not None})
     if sizes:
         lines.append("trainer world size per step: " + (str(sizes[0]) if len(sizes) == 1 else

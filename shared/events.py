@@ -57,6 +57,9 @@ class _Frozen(BaseModel):
 
 
 BranchKind = Literal["continuation", "compaction", "delegation", "retry", "fork"]
+# Why a fork happened: the harness re-rendered what the model generated (the prompt leaves the chain's previous
+# call inside generated text), or rewrote other context.
+ForkCause = Literal["reply_rewritten", "context_rewritten"]
 CallApi = Literal["anthropic", "openai", "internal"]  # which API a model call came through
 
 
@@ -313,14 +316,16 @@ class ExecutionStarted(_Extended):
 
 
 @register
-class ExecutionBranched(EventData):
+class ExecutionBranched(_Extended):
     TYPE: ClassVar[str] = "execution.branched"
+    WRITTEN_WHEN_SET: ClassVar[tuple[str, ...]] = ("cause",)
     execution_id: str
     kind: BranchKind
     at_call_index: int = Field(ge=0)  # the first call on the new branch
     from_call_index: int | None = None  # the call it branches from, when known
     chain_id: str = "main"
     reason: str = ""
+    cause: ForkCause | None = None  # a fork the gateway found: where the prompt left the chain's previous call
 
 
 @register

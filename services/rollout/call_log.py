@@ -69,6 +69,7 @@ class Placement:
     branch_hint: BranchKind | None  # None for the execution's first call
     head_call_index: int | None = None
     head_shared: int = 0
+    in_completion: bool = False  # the prompt leaves the head inside text the model generated
 
 
 @dataclass
@@ -100,6 +101,7 @@ class CallLog:
         parent, shared = longest_prefix_parent(self.sequences, prompt)
         head = self.heads.get(chain_id)
         head_shared = 0
+        in_completion = False
         hint: BranchKind | None = None
         if self.sequences:
             if head is None:
@@ -122,6 +124,7 @@ class CallLog:
             branch_hint=hint,
             head_call_index=head,
             head_shared=head_shared,
+            in_completion=in_completion,
         )
 
     def generated_at(self, call: int, position: int) -> bool:
@@ -220,7 +223,9 @@ def build_events(
                 at_call_index=placement.call_index,
                 from_call_index=placement.head_call_index,
                 chain_id=call.chain_id,
-                reason=f"prompt diverges from call {placement.head_call_index} after {placement.head_shared} tokens",
+                reason=f"prompt diverges from call {placement.head_call_index} after {placement.head_shared} tokens"
+                       + (", inside the text the model generated" if placement.in_completion else ""),
+                cause="reply_rewritten" if placement.in_completion else "context_rewritten",
             )
         )
     record = CallRecord(

@@ -43,20 +43,53 @@ class ChatMessage(_Frozen):
 
     @cached_property
     def digest(self) -> bytes:
-        """Identifies the message for comparing an echoed message with the one we produced.
+        """Identifies the message for comparing an echoed message with the one we produced (`digest_for` with
+        no tool schemas)."""
+        return self.digest_for(NO_DEFAULTS)
 
-        Surrounding whitespace of the text is ignored because harnesses commonly strip it when echoing. Computed
-        once per message: an hour-long execution's request carries every earlier message again.
+    def digest_for(self, defaults: ToolDefaults) -> bytes:
+        """Identifies the message for comparing an echoed message with the one we produced, as a harness echoes
+        it: surrounding whitespace of the text ignored, and each tool call's arguments as JSON values, in any key
+        order, without the arguments its tool's schema gives as defaults (`defaults`), and with trailing spaces of
+        each line of a string argument ignored. Claude Code re-sends its own Edit calls with `replace_all: false`
+        added and strips trailing spaces from Write's content; the model's own tokens still stand for them.
+        Computed once per conversation (Conversation.prefix_keys), each request's messages being new objects.
         """
         h = hashlib.sha256()
         for part in (self.role.encode(), self.content.strip().encode("utf-8", "surrogatepass")):
             h.update(len(part).to_bytes(8, "little"))
             h.update(part)
         if self.tool_calls:
-            calls = [[c.name, c.arguments] for c in self.tool_calls]
+            calls = [[c.name, _echo_form(c.arguments, defaults.get(c.name, {}))] for c in self.tool_calls]
             h.update(json.dumps(calls, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode(
                 "utf-8", "surrogatepass"))
         return h.digest()
+
+
+ToolDefaults = Mapping[str, Mapping[str, Any]]  # tool name -> argument -> the default its schema gives
+NO_DEFAULTS: ToolDefaults = {}
+_MISSING = object()
+
+
+def _echo_form(arguments: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """A tool call's arguments as an echo of them is compared: defaults dropped, trailing spaces of each line
+    of a string ignored."""
+    return {k: _strip_lines(v) for k, v in arguments.items() if not _same_json(defaults.get(k, _MISSING), v)}
+
+
+def _same_json(a: Any, b: Any) -> bool:
+    """Equal as JSON values (false is not 0, 1.0 is 1)."""
+    return a is not _MISSING and json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+def _strip_lines(value: Any) -> Any:
+    if isinstance(value, str):
+        return "\n".join(line.rstrip(" \t") for line in value.split("\n"))
+    if isinstance(value, dict):
+        return {k: _strip_lines(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_strip_lines(v) for v in value]
+    return value
 
 
 class ToolSpec(_Frozen):
@@ -90,6 +123,17 @@ class Conversation(_Frozen):
         body = [t.template_dict() for t in self.tools]
         return _digest(json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False))
 
+    @cached_property
+    def tool_defaults(self) -> ToolDefaults:
+        """The defaults each tool's parameter schema gives its top-level arguments."""
+        out: dict[str, dict[str, Any]] = {}
+        for tool in self.tools:
+            props = tool.parameters.get("properties") or {}
+            given = {name: p["default"] for name, p in props.items() if isinstance(p, dict) and "default" in p}
+            if given:
+                out[tool.name] = given
+        return out
+
     def chain_key(self) -> str:
         """Identifies an agent chain: the same tools and the same leading system prompt.
 
@@ -107,13 +151,14 @@ class Conversation(_Frozen):
     def _prefix_keys(self) -> tuple[str, ...]:
         keys = [self.tools_key()]
         for message in self.messages:
-            keys.append(next_prefix_key(keys[-1], message))
+            keys.append(next_prefix_key(keys[-1], message, self.tool_defaults))
         return tuple(keys)
 
 
-def next_prefix_key(key: str, message: ChatMessage) -> str:
-    """The prefix key of a conversation whose prefix key is `key`, extended by `message`."""
-    return hashlib.sha256(key.encode() + b"\x1e" + message.digest).hexdigest()
+def next_prefix_key(key: str, message: ChatMessage, defaults: ToolDefaults = NO_DEFAULTS) -> str:
+    """The prefix key of a conversation whose prefix key is `key` (it holds the tools, whose schemas give
+    `defaults`), extended by `message`."""
+    return hashlib.sha256(key.encode() + b"\x1e" + message.digest_for(defaults)).hexdigest()
 
 
 def _digest(text: str) -> str:

@@ -45,6 +45,7 @@ class GatewayCore:
         tokens: TokenVerifier,
         max_model_len: int,
         model_name: str = "gyre",
+        max_reply_tokens: int | None = None,
         clock: Callable[[], float] = time.time,
         timer: Callable[[], float] = time.perf_counter,
         call_ids: Callable[[], str] = lambda: uuid.uuid4().hex,
@@ -55,6 +56,7 @@ class GatewayCore:
         self.tokens = tokens
         self.max_model_len = max_model_len
         self.model_name = model_name
+        self.max_reply_tokens = max_reply_tokens  # the run's tokens-per-reply budget, whatever a request asks
         self.clock = clock  # wall time (the OpenAI response's `created`)
         self.timer = timer  # a call's latency
         self.call_ids = call_ids
@@ -152,9 +154,9 @@ class GatewayCore:
             room = context - prompt_len
             if room < 1:
                 raise invalid(f"prompt is too long: {prompt_len} tokens > {context - 1} maximum")
-            requested = parsed.sampling.max_tokens
-            # Harnesses (Claude Code asks for 32000) get what the context leaves rather than an error.
-            max_tokens = room if requested is None else min(requested, room)
+            # Harnesses (Claude Code asks for 32000) get what the context and the run's reply budget leave rather
+            # than an error.
+            max_tokens = min(x for x in (parsed.sampling.max_tokens, self.max_reply_tokens, room) if x is not None)
             tools = parsed.conversation.tools
             sampling = SamplingSpec(
                 max_tokens=max_tokens,

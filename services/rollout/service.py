@@ -99,6 +99,9 @@ class RolloutSettings(BaseSettings):
     port: int = 8400
     uds: str | None = None  # also serve on this Unix socket (sandboxes reach the gateway through it)
     model_name: str = "gyre-tiny"
+    # At most this many tokens per reply whatever a request asks (Claude Code asks for 32,000): the run's budget
+    # of tokens per reply, for every harness. Unset: what the context leaves.
+    max_reply_tokens: int | None = Field(default=None, ge=1)
     # The run's execution-token secret (shared.execution_tokens), shared with the harness: required by the gateway.
     token_secret: str = ""
     max_body_bytes: int = 32 * 1024 * 1024
@@ -382,6 +385,7 @@ class RolloutGatewayService(Service):
             tokens=TokenVerifier(r.token_secret.encode()),
             max_model_len=r.max_model_len,
             model_name=r.model_name,
+            max_reply_tokens=r.max_reply_tokens,
         )
         app = create_app(self.core, max_body_bytes=r.max_body_bytes)
         configs = [uvicorn.Config(app, host=r.host, port=r.port, log_level="warning", lifespan="off")]

@@ -188,7 +188,7 @@ class TitoState:
         buffer, tokens = plan.buffer.extended(len(plan.prompt), completion, closing, _ids(codec.encode(glue)))
         self._put(
             Anchor(
-                key=next_prefix_key(keys[n], reply),
+                key=next_prefix_key(keys[n], reply, plan.conversation.tool_defaults),
                 n_messages=n + 1,
                 text=text,
                 buffer=buffer,

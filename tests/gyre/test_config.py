@@ -52,6 +52,8 @@ BAD = [
     ("tasks:\n  train: [sum-numbers-1]\n  held_out: [sum-numbers-1]\n",
      "tasks.held_out: 'sum-numbers-1' is also in tasks.train"),
     ("budgets:\n  reply_tokens: 9000\n", "budgets.reply_tokens: 9000 leaves no room for a prompt"),
+    ("model:\n  max_model_len: 40960\noptim:\n  micro_batch_tokens: 4096\n",
+     "optim.micro_batch_tokens: 4096 is below model.max_model_len 40960"),
 ]
 
 
@@ -132,6 +134,7 @@ def test_every_setting_becomes_a_variable_some_service_reads(tmp_path: Path) -> 
     assert env["GYRE_ROLLOUT_DTYPE"] == env["GYRE_TRAINER_PUBLISH_DTYPE"] == "auto"
     assert env["GYRE_CELL_COUNT"] == env["GYRE_SCHEDULER_MIN_CELLS"] == "2"
     assert env["GYRE_CELL_WARM"] == "true"
+    assert env["GYRE_MICRO_BATCH_TOKENS"] == "8192"  # unset: the context, so the longest sequence packs
     assert "GYRE_HARNESS_CALL_BUDGET" not in env  # no budget: the service's own default (none)
     from services.harness.service import HarnessSettings
 

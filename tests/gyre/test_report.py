@@ -40,6 +40,8 @@ def run_events():
             out.append(ev(ExecutionScored(execution_id=eid, query_id=f"q{step}", reward=r, tests_passed=0,
                                           tests_total=2, timed_out=(r == 0.0)), t + 1))
         out.append(ev(ExecutionBranched(execution_id=f"e{step}0", kind="compaction", at_call_index=3), t + 1))
+        out.append(ev(ExecutionBranched(execution_id=f"e{step}1", kind="fork", at_call_index=2,
+                                        cause="reply_rewritten" if step else "context_rewritten"), t + 1))
         out.append(ev(BatchReady(step=step, batch=BlobRef(digest="sha256:" + "0" * 64, size=1), query_ids=[f"q{step}"],
                                  executions=4, trees=4, micro_batches=1, unique_tokens=100, flat_tokens=250,
                                  target_tokens=40, min_policy_version=step, max_policy_version=step,
@@ -61,7 +63,9 @@ def test_report_folds_rewards_per_step_and_statistics(tmp_path):
     assert report.reward_gain == 0.375
     assert (report.reward_head, report.reward_tail) == (0.5, 0.875)  # a 2-step run: one step each side
     assert report.timed_out == 1 and report.executions == 8
-    assert report.branches == {"compaction": 2}
+    assert report.branches == {"compaction": 2, "fork": 2}
+    assert report.forks_by_cause == {"context_rewritten": 1, "reply_rewritten": 1}
+    assert "forks by cause: context rewritten 1, reply rewritten 1" in summary_lines(report)
     assert report.dedup_factor == 2.5
     assert (report.trajectories_before_cap, report.trajectories_after_cap, report.capped_executions,
             report.cap_dropped_targets) == (24, 18, 2, 14)

@@ -354,6 +354,7 @@ def build_stack(
     max_body_bytes: int = 32 * 1024 * 1024,
     emit: Any = None,
     kv_transport: Any = None,
+    max_reply_tokens: int | None = None,
 ) -> Stack:
     """A gateway over workers of `engines` in this process, moving KV through `kv_transport` (default: one
     in-memory transport they share). Pass `recorder.restarted()` of an earlier stack for a gateway that restarted
@@ -367,7 +368,8 @@ def build_stack(
     router = Router(directory, local)
     recorder = recorder or InMemoryCallRecorder()
     core = GatewayCore(codec=codec, router=router, recorder=recorder, tokens=TokenVerifier(TOKEN_SECRET),
-                       max_model_len=min(e.max_model_len for e in engines), model_name="tiny")
+                       max_model_len=min(e.max_model_len for e in engines), model_name="tiny",
+                       max_reply_tokens=max_reply_tokens)
     app = create_app(core, max_body_bytes=max_body_bytes)
     stack = Stack(app, core, recorder, local, directory, list(engines))
     for w in local.workers.values():

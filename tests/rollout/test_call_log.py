@@ -30,7 +30,7 @@ def test_a_prompt_that_leaves_generated_text_is_a_fork_even_inside_an_earlier_ca
     _add(log, ids(A, a, range(70, 75)), ids(range(600, 603)))  # call 1 continues call 0
     # Call 2 re-renders call 0's reply: it leaves call 1 at a token call 0 generated.
     placement = log.place(ids(A, list(a)[:4], range(900, 905)), chain_id="main")
-    assert placement.branch_hint == "fork"
+    assert placement.branch_hint == "fork" and placement.in_completion  # its cause: a reply rewritten
     assert (placement.head_call_index, placement.head_shared) == (1, len(A) + 4)
     assert placement.parent_call_index == 1 and placement.parent_prefix_len == len(A) + 4
     assert log.generated_at(1, len(A) + 4) and not log.generated_at(1, len(A) + len(a))
@@ -40,7 +40,8 @@ def test_leaving_the_context_is_a_compaction_when_shorter_and_a_fork_when_not() 
     log = CallLog()
     _add(log, ids(A), ids(a))
     assert log.place(ids(list(A)[:5], range(900, 903)), chain_id="main").branch_hint == "compaction"
-    assert log.place(ids(list(A)[:5], range(900, 960)), chain_id="main").branch_hint == "fork"
+    fork = log.place(ids(list(A)[:5], range(900, 960)), chain_id="main")
+    assert fork.branch_hint == "fork" and not fork.in_completion  # its cause: context rewritten
 
 
 def test_a_call_is_classified_against_its_own_chains_previous_call_not_the_longest_prefix() -> None:

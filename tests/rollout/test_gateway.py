@@ -202,6 +202,16 @@ async def test_claude_code_request_shape_is_accepted_and_max_tokens_clamped(stac
     assert r.json()["input_tokens"] == stack.recorder.calls("exec-cc")[0].prompt_tokens
 
 
+async def test_the_runs_reply_budget_caps_what_a_request_asks() -> None:
+    """Claude Code asks for 32,000 tokens a reply; the gateway gives at most the run's budget, and a smaller ask
+    as it is."""
+    stack = build_stack([ScriptedEngine(CODEC, tool_then_text)], CODEC, max_reply_tokens=96)
+    client = stack.anthropic(stack.token("exec-cap"))
+    for asked in (16000, 40):
+        await client.messages.create(model="tiny", max_tokens=asked, messages=[{"role": "user", "content": "hi"}])
+    assert [s.max_tokens for s in stack.engines[0].samplings] == [96, 40]
+
+
 async def test_openai_client_gets_tool_calls_and_streams(stack) -> None:
     token = stack.token("exec-oa")
     client = stack.openai(token)
@@ -438,6 +448,7 @@ async def test_an_echo_that_drops_the_tool_call_is_a_fork_not_a_silent_splice(st
     assert calls[1].branch_hint == "fork"
     (branched,) = [e.data for e in stack.recorder.events if isinstance(e.data, ExecutionBranched)]
     assert (branched.kind, branched.at_call_index, branched.from_call_index) == ("fork", 1, 0)
+    assert branched.cause == "reply_rewritten"
     # The shared prefix ends inside the first reply: the generated text is kept, the dropped call is not.
     assert calls[0].prompt_tokens < calls[1].parent_prefix_len < calls[0].prompt_tokens + calls[0].completion_tokens
 

@@ -10,7 +10,7 @@ from services.rollout.call_log import CallLog
 from services.rollout.codec import reply_message
 from services.rollout.conversation import ChatMessage, Conversation, ToolSpec
 from services.rollout.tito import TitoState
-from shared.chat import format_tool_call
+from shared.chat import ToolCall, format_tool_call
 from tests.rollout.fakes import CharCodec
 
 CODEC = CharCodec()
@@ -140,6 +140,59 @@ def test_echo_with_stripped_whitespace_still_continues() -> None:
     echoed = ChatMessage(role="assistant", content="answer")
     plan2 = state.plan(Conversation(messages=conv.messages + (echoed, ChatMessage(role="user", content="q2"))), CODEC)
     assert plan2.reused is not None and plan2.reused.kind == "response"
+
+
+# Claude Code's own file tools, as its requests define them (recorded: services/harness/fixtures/).
+EDIT_TOOLS = (
+    ToolSpec(name="Edit", description="edit a file", parameters={
+        "type": "object", "required": ["file_path", "old_string", "new_string"],
+        "properties": {"file_path": {"type": "string"}, "old_string": {"type": "string"},
+                       "new_string": {"type": "string"}, "replace_all": {"type": "boolean", "default": False}}}),
+    ToolSpec(name="Write", description="write a file", parameters={
+        "type": "object", "required": ["file_path", "content"],
+        "properties": {"file_path": {"type": "string"}, "content": {"type": "string"}}}),
+)
+
+
+def _echo_continues(generated: str, echoed: ToolCall) -> bool:
+    """Whether a request echoing the model's tool call as `echoed` reuses the ids the model generated."""
+    state, log = TitoState(), CallLog()
+    conv = Conversation(messages=(ChatMessage(role="user", content="fix it"),), tools=EDIT_TOOLS)
+    plan = state.plan(conv, CODEC)
+    completion = _generate(generated)
+    log.add(log.place(plan.prompt, chain_id=plan.chain_id), plan.prompt, completion)
+    state.commit(plan, completion=completion, reply=reply_message(generated), codec=CODEC)
+    echo = ChatMessage(role="assistant", content="", tool_calls=(echoed,))
+    nxt = Conversation(messages=(*conv.messages, echo, ChatMessage(role="tool", content="ok")), tools=EDIT_TOOLS)
+    plan2 = state.plan(nxt, CODEC)
+    reused = plan2.reused is not None and plan2.reused.kind == "response"
+    prefix = np.concatenate([plan.prompt, completion])
+    assert reused == np.array_equal(plan2.prompt[: len(prefix)], prefix)
+    placement = log.place(plan2.prompt, chain_id=plan2.chain_id)
+    assert (placement.branch_hint == "continuation") == reused, placement.branch_hint
+    return reused
+
+
+def test_an_echoed_edit_with_its_schema_default_added_and_keys_reordered_keeps_the_generated_tokens() -> None:
+    generated = format_tool_call("Edit", {"file_path": "a.py", "old_string": "x", "new_string": "y"})
+    echoed = ToolCall(name="Edit", arguments={"replace_all": False, "new_string": "y", "old_string": "x",
+                                              "file_path": "a.py"})
+    assert _echo_continues(generated, echoed)
+
+
+def test_an_echoed_write_with_trailing_spaces_stripped_keeps_the_generated_tokens() -> None:
+    generated = format_tool_call("Write", {"file_path": "a.txt", "content": "one  \ntwo\t\n"})
+    assert _echo_continues(generated, ToolCall(name="Write", arguments={"file_path": "a.txt",
+                                                                        "content": "one\ntwo\n"}))
+
+
+def test_an_echo_that_changes_what_the_model_asked_for_is_a_fork() -> None:
+    generated = format_tool_call("Edit", {"file_path": "a.py", "old_string": "x", "new_string": "y"})
+    # replace_all true is not the default: a different call. And 0 is not false as a JSON value.
+    for arguments in ({"replace_all": True}, {"replace_all": 0}, {"new_string": "z"}):
+        echoed = ToolCall(name="Edit", arguments={"file_path": "a.py", "old_string": "x", "new_string": "y",
+                                                  **arguments})
+        assert not _echo_continues(generated, echoed), arguments
 
 
 def test_a_different_system_prompt_starts_a_new_chain() -> None:
