@@ -97,6 +97,9 @@ class WarmStartSection(_Section):
     # Supervised warm start on an imperfect demonstrator's demonstrations of the learnable family
     # (services/harness/demos.py); steps 0 skips it. `model` uses an already warm-started model instead.
     steps: int = Field(default=150, ge=0)
+    # The demonstrations' format: the harness's own (auto), the builtin agent's, or Claude Code's (built on its
+    # recorded requests, rendered as the gateway renders them: gyre/claude_code_demos.py).
+    format: Literal["auto", "builtin", "claude-code"] = "auto"
     conversations_per_step: int = Field(default=32, ge=1)
     lr: float = Field(default=2e-3, gt=0)
     slip_rate: float = Field(default=0.7, ge=0, le=1)
@@ -137,6 +140,10 @@ class RunConfig(_Section):
 
     def is_tiny(self) -> bool:
         return self.model.path in TINY_MODELS
+
+    def demo_format(self) -> str:
+        """The warm start's demonstrations' format (auto: the harness's)."""
+        return self.harness.kind if self.warm_start.format == "auto" else self.warm_start.format
 
 
 # Each setting's `GYRE_…` variables: the process settings it becomes (all of them), the first also being the

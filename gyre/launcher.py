@@ -29,7 +29,7 @@ from rich.live import Live
 from rich.table import Table
 
 from gyre import local
-from gyre.config import ConfigError, RunConfig, WarmStartSection, dump, environment, load_config, parse_sets
+from gyre.config import ConfigError, RunConfig, dump, environment, load_config, parse_sets
 from gyre.run_plan import LEARNABLE_FAMILIES, RunPlan, plan_run
 from gyre.report import build_report, summary_lines
 from gyre.report_plots import write_report
@@ -201,29 +201,36 @@ def _view(events: list[Event], procs: list[Proc], steps: int, elapsed: float) ->
     return table
 
 
-def warm_start(python: str, base: Path, run_dir: Path, options: WarmStartSection, seed: int,
-               env: dict[str, str]) -> Path:
+def warm_start(python: str, base: Path, run_dir: Path, config: RunConfig, env: dict[str, str]) -> Path:
     """The supervised warm start: an imperfect demonstrator's demonstrations of the learnable family (`slip_rate`
-    of them skip the work or run a wrong command, services/harness/demos.py), trained by `gyre train sft` as its
-    own process, so the policy solves the tasks only part of the time and RL has something to learn. Returns the
+    of them skip the work or run a wrong command, services/harness/demos.py), in the harness's format (the
+    builtin agent's, or Claude Code's: gyre/claude_code_demos.py), trained by `gyre train sft` as its own
+    process, so the policy solves the tasks only part of the time and RL has something to learn. Returns the
     fine-tuned model."""
-    from services.harness.demos import write_demos
-
+    options = config.warm_start
     out = run_dir / "sft"
     data = run_dir / "warmstart" / "demos.jsonl"
-    count = write_demos(
-        data, seed=seed, count=options.steps * options.conversations_per_step, families=LEARNABLE_FAMILIES,
-        slip_rate=options.slip_rate,
-    )
+    count = options.steps * options.conversations_per_step
+    if config.demo_format() == "claude-code":
+        from gyre.claude_code_demos import write_claude_code_demos
+
+        count = write_claude_code_demos(data, seed=config.seed, count=count, families=LEARNABLE_FAMILIES,
+                                        slip_rate=options.slip_rate)
+    else:
+        from services.harness.demos import write_demos
+
+        count = write_demos(data, seed=config.seed, count=count, families=LEARNABLE_FAMILIES,
+                            slip_rate=options.slip_rate)
+    # A demonstration is never split: micro-batches hold the longest one (Claude Code's run to ~30,000 tokens).
     argv = [
         python, "-m", "gyre.cli", "train", "sft", "--model", str(base), "--data", str(data), "--out", str(out),
         "--lr", str(options.lr), "--conversations-per-step", str(options.conversations_per_step),
-        "--epochs", "1", "--precision", "fp32",
+        "--micro-batch-tokens", str(env["GYRE_MICRO_BATCH_TOKENS"]), "--epochs", "1", "--precision", "fp32",
     ]
     log = run_dir / "logs" / "sft.log"
     console.print(
-        f"warm-start: {count} demonstrations ({options.slip_rate:.0%} with a slip) → {options.steps} SFT steps; "
-        f"log {log}"
+        f"warm-start: {count} {config.demo_format()} demonstrations ({options.slip_rate:.0%} with a slip) → "
+        f"{options.steps} SFT steps; log {log}"
     )
     started = time.monotonic()
     with open(log, "ab") as sink, console.status("supervised warm-start (SFT)…"):
@@ -376,8 +383,7 @@ def _run(config: RunConfig, plan: RunPlan, run_id: str, run_dir: Path, record: R
             if config.warm_start.model is not None:
                 env["GYRE_MODEL_DIR"] = str(Path(config.warm_start.model).resolve())
             elif config.warm_start.steps > 0:
-                env["GYRE_MODEL_DIR"] = str(warm_start(sys.executable, model_dir, run_dir, config.warm_start,
-                                                       config.seed, env).resolve())
+                env["GYRE_MODEL_DIR"] = str(warm_start(sys.executable, model_dir, run_dir, config, env).resolve())
             RunRecord(run_id, env["GYRE_MODEL_DIR"], plan.task_ids, env["GYRE_ROLLOUT_TOKEN_SECRET"]).save(run_dir)
         start_all(procs, env, run_dir / "logs")
         events = asyncio.run(

@@ -51,7 +51,8 @@ class RunPlan:
         out.append(f"schedule   {s.mode} on {s.cells} cells ({s.device}), {s.steps} steps of {s.queries_per_step} "
                    f"queries × G={s.group_size}, staleness {s.max_staleness}, cap {s.cap_k}")
         warm = ("none" if c.warm_start.steps == 0 and c.warm_start.model is None else f"model {c.warm_start.model}"
-                if c.warm_start.model else f"{c.warm_start.steps} SFT steps × {c.warm_start.conversations_per_step}")
+                if c.warm_start.model else f"{c.warm_start.steps} SFT steps × {c.warm_start.conversations_per_step} "
+                                           f"{c.demo_format()} demonstrations")
         out.append(f"optimise   lr {c.optim.lr:g}, clip [{c.optim.eps_low:g}, {c.optim.eps_high:g}], "
                    f"IS cap {c.optim.is_cap:g}; warm start {warm}")
         out.append(f"outputs    {run_dir}/ (logs/, checkpoints/, report.json)")
@@ -240,9 +241,9 @@ def plan_run(config: RunConfig, sources: dict[str, str] | None = None) -> RunPla
     instructions = _tasks(plan)
     _harness(plan)
     _cells(plan)
-    if config.harness.kind != "builtin" and config.warm_start.steps > 0 and config.warm_start.model is None:
-        plan.warnings.append(f"warm_start.steps {config.warm_start.steps}: the demonstrations are in the builtin "
-                             f"agent's format, not {config.harness.kind}'s")
+    if config.warm_start.steps > 0 and config.warm_start.model is None and config.demo_format() != config.harness.kind:
+        plan.warnings.append(f"warm_start.format: the demonstrations are in the {config.demo_format()} format, the "
+                             f"run's harness is {config.harness.kind}")
     if config.warm_start.model is not None and not (Path(config.warm_start.model) / "config.json").is_file():
         plan.errors.append(f"warm_start.model: {config.warm_start.model} is not a model folder (no config.json)")
     with tempfile.TemporaryDirectory(prefix="gyre-plan-") as scratch:

@@ -1,6 +1,8 @@
-"""Claude Code's first request as it really sends it: recorded from the installed CLI against a local capture
-server (its system prompt and tool definitions, never retyped), shipped as a fixture, and read back with a task's
-instruction in place of the recorded one. The run plan sizes the model's context from it.
+"""Claude Code's requests as it really sends them: recorded from the installed CLI against a local capture
+server (its system prompt and tool definitions, never retyped; its first request, and the one after a Bash call
+with the call echoed and its result), shipped as a fixture, and read back with a task's instruction in place of
+the recorded one. The run plan sizes the model's context from the first; the warm start's demonstrations are
+built on the second.
 """
 
 from __future__ import annotations
@@ -35,16 +37,25 @@ def installed_version(install_dir: Path) -> str | None:
         return None
 
 
+RECORDED_COMMAND = "echo hi > hello.txt"  # the Bash call the capture server's first reply makes
+
+
 def _capture_server(bodies: list[dict[str, Any]]) -> http.server.ThreadingHTTPServer:
-    """Answers every Messages request with a final text reply, keeping each request body."""
+    """Answers the first Messages request with a Bash tool call and every later one with a final text reply,
+    keeping each request body (a request re-sent after a lost reply counts once)."""
 
     class Capture(http.server.BaseHTTPRequestHandler):
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers.get("content-length") or 0)) or b"{}")
             if self.path.startswith("/v1/messages") and "count_tokens" not in self.path:
-                bodies.append(body)
+                if not bodies or bodies[-1]["messages"] != body["messages"]:
+                    bodies.append(body)
+            content: list[dict[str, Any]] = [{"type": "text", "text": "Done."}]
+            if len(bodies) == 1:
+                content = [{"type": "tool_use", "id": "toolu_recorded_0", "name": "Bash",
+                            "input": {"command": RECORDED_COMMAND, "description": "Write the file"}}]
             reply = {"id": "msg_recorded", "type": "message", "role": "assistant", "model": body.get("model", ""),
-                     "content": [{"type": "text", "text": "Done."}], "stop_reason": "end_turn",
+                     "content": content, "stop_reason": "tool_use" if len(bodies) == 1 else "end_turn",
                      "stop_sequence": None, "usage": {"input_tokens": 1, "output_tokens": 1}}
             data = json.dumps(reply).encode()
             self.send_response(200)
@@ -61,7 +72,8 @@ def _capture_server(bodies: list[dict[str, Any]]) -> http.server.ThreadingHTTPSe
 
 def record_first_request(install_dir: Path, *, model: str = "gyre-tiny", timeout_s: float = 120.0) -> dict[str, Any]:
     """Run the installed Claude Code (as the harness's preset runs it: the same flags, variables and home files)
-    once against a capture server, and return the body of the first model request it sent."""
+    once against a capture server, and return the recording: its first model request, and the request it sent
+    after running the Bash call the server answered with."""
     preset = claude_code(install_dir.resolve(), model)
     bodies: list[dict[str, Any]] = []
     server = _capture_server(bodies)
@@ -82,10 +94,11 @@ def record_first_request(install_dir: Path, *, model: str = "gyre-tiny", timeout
     finally:
         server.shutdown()
         server.server_close()
-    if not bodies:
-        raise ClaudeCodeNotRecorded(f"Claude Code exited {done.returncode} without a model request: "
-                                    f"{(done.stderr or done.stdout).strip()[-300:]}")
-    return {"version": installed_version(install_dir), "instruction": RECORDED_INSTRUCTION, "request": bodies[0]}
+    if len(bodies) < 2:
+        raise ClaudeCodeNotRecorded(f"Claude Code exited {done.returncode} after {len(bodies)} model requests, "
+                                    f"expected 2: {(done.stderr or done.stdout).strip()[-300:]}")
+    return {"version": installed_version(install_dir), "instruction": RECORDED_INSTRUCTION,
+            "command": RECORDED_COMMAND, "request": bodies[0], "after_bash": bodies[1]}
 
 
 def save_recording(recording: dict[str, Any], path: Path = RECORDED) -> None:
@@ -94,10 +107,15 @@ def save_recording(recording: dict[str, Any], path: Path = RECORDED) -> None:
     path.write_bytes(gzip.compress(json.dumps(recording, indent=1).encode(), mtime=0))
 
 
+def load_recording(path: Path = RECORDED) -> dict[str, Any]:
+    """The shipped recording: version, instruction, command, `request` (the first) and `after_bash`."""
+    return dict(json.loads(gzip.decompress(path.read_bytes())))
+
+
 def recorded_first_request(instruction: str | None = None, path: Path = RECORDED) -> tuple[str, dict[str, Any]]:
     """(the Claude Code version it was recorded from, its first request body), with `instruction` in place of
     the recorded task text when given."""
-    recording = json.loads(gzip.decompress(path.read_bytes()))
+    recording = load_recording(path)
     body = copy.deepcopy(recording["request"])
     if instruction is not None:
         for message in body["messages"]:
@@ -108,5 +126,5 @@ def recorded_first_request(instruction: str | None = None, path: Path = RECORDED
     return str(recording["version"]), body
 
 
-__all__ = ["RECORDED", "ClaudeCodeNotRecorded", "installed_version", "record_first_request",
+__all__ = ["RECORDED", "ClaudeCodeNotRecorded", "installed_version", "load_recording", "record_first_request",
            "recorded_first_request", "save_recording"]

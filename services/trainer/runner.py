@@ -13,7 +13,7 @@ from typing import Any
 
 from services.trainer.distributed import GroupSpec, latest_checkpoint, read_trainer_state
 from services.trainer.engine import StepAlreadyTrained, Trainer, TrainerConfig
-from services.trainer.sft import load_conversations, pack_sequences, render_conversation
+from services.trainer.sft import load_records, pack_sequences, render_conversation
 from services.trainer.weights import write_model_dir
 from shared.batch import TrainingBatch
 
@@ -37,7 +37,7 @@ def run_sft(
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    rendered = [render_conversation(tokenizer, c) for c in load_conversations(data)]
+    rendered = [render_conversation(tokenizer, messages, tools) for messages, tools in load_records(data)]
     trainer, _ = Trainer.start(model_dir, spec, config)
     history: list[dict[str, float]] = []
     try:

@@ -27,6 +27,22 @@ class RenderedConversation:
     target: list[bool]
 
 
+def load_records(path: Path) -> list[tuple[list[dict[str, Any]], list[dict[str, Any]] | None]]:
+    """Each conversation of a JSONL file with the tools it is rendered with: a record's optional "tools" (in the
+    chat template's function shape) go to the template beside the messages, as the gateway renders a request
+    that carries tools (a harness's own tool set, e.g. Claude Code's)."""
+    tools_of = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        obj = json.loads(line) if line.lstrip().startswith("{") else None
+        tools = obj.get("tools") if isinstance(obj, dict) else None
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise SftDataError(f"{path}:{n}: tools: expected a list of tool objects")
+        tools_of.append(tools)
+    return list(zip(load_conversations(path), tools_of, strict=True))
+
+
 def load_conversations(path: Path) -> list[list[dict[str, Any]]]:
     """JSONL, one conversation a line: {"messages": [{"role": ..., "content": ...}, ...]} or a bare list."""
     out = []
@@ -46,27 +62,29 @@ def load_conversations(path: Path) -> list[list[dict[str, Any]]]:
     return out
 
 
-def _ids(tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool) -> list[int]:
+def _ids(tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool,
+         tools: list[dict[str, Any]] | None = None) -> list[int]:
     ids = tokenizer.apply_chat_template(
-        messages, tokenize=True, add_generation_prompt=generation_prompt, return_dict=False
+        messages, tools=tools or None, tokenize=True, add_generation_prompt=generation_prompt, return_dict=False
     )
     return list(ids)
 
 
-def render_conversation(tokenizer: Any, messages: list[dict[str, Any]]) -> RenderedConversation:
+def render_conversation(tokenizer: Any, messages: list[dict[str, Any]],
+                        tools: list[dict[str, Any]] | None = None) -> RenderedConversation:
     """Token ids of the whole conversation; each assistant turn's tokens up to and including EOS are targets.
 
     Each turn's span is found by rendering the conversation up to it with and without the generation prompt,
     so it works for any template whose renderings extend each other (ChatML does).
     """
-    full = _ids(tokenizer, messages, False)
+    full = _ids(tokenizer, messages, False, tools)
     target = [False] * len(full)
     eos = tokenizer.eos_token_id
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        prefix = _ids(tokenizer, messages[:i], True)
-        upto = _ids(tokenizer, messages[: i + 1], False)
+        prefix = _ids(tokenizer, messages[:i], True, tools)
+        upto = _ids(tokenizer, messages[: i + 1], False, tools)
         if full[: len(upto)] != upto or upto[: len(prefix)] != prefix:
             raise SftDataError(
                 f"the chat template does not render turn {i} as an extension of the turns before it; "

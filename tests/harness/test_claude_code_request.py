@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.harness.claude_code_request import RECORDED_INSTRUCTION, record_first_request, recorded_first_request
+from services.harness.claude_code_request import (
+    RECORDED_INSTRUCTION,
+    load_recording,
+    record_first_request,
+    recorded_first_request,
+)
 from tests.harness.test_external_harness import claude_code_dir
 
 
@@ -24,6 +29,11 @@ def test_the_fixture_is_the_pinned_versions_first_request() -> None:
     assert yaml.safe_load(Path("configs/claude-code.yaml").read_text())["harness"]["claude_code_version"] == version
     assert {"Bash", "Edit", "Write", "Read", "Agent"} <= set(_tool_names(body))
     assert any(f"cc_version={version}" in block["text"] for block in body["system"])
+    # The request after its Bash call: the call echoed as the capture server made it, and its result.
+    after = load_recording()["after_bash"]
+    parts = [p for m in after["messages"] if isinstance(m["content"], list) for p in m["content"]]
+    assert [p["type"] for p in parts if p["type"] in ("tool_use", "tool_result")] == ["tool_use", "tool_result"]
+    assert after["tools"] == body["tools"]
 
 
 def test_a_tasks_instruction_takes_the_recorded_ones_place() -> None:
@@ -47,3 +57,5 @@ def test_recording_the_installed_cli_again_gives_the_shipped_prompt_and_tools() 
     assert [t["input_schema"] for t in fresh["tools"]] == [t["input_schema"] for t in shipped["tools"]]
     # The system prompt's text is Claude Code's own; only the environment it describes (folder, date) differs.
     assert len(fresh["system"]) == len(shipped["system"])
+    assert [m["role"] for m in recording["after_bash"]["messages"]] == [
+        m["role"] for m in load_recording()["after_bash"]["messages"]]
