@@ -20,15 +20,21 @@ def derive_execution_token(secret: bytes, execution_id: str) -> str:
     return f"{PREFIX}{execution_id}.{mac}"
 
 
+def execution_named_by(token: str) -> str | None:
+    """The execution a token says it is for, unverified (only the gateway's secret proves it), or None when the
+    token is not in the derived form."""
+    if not token.startswith(PREFIX) or "." not in token:
+        return None
+    return token[len(PREFIX) :].rsplit(".", 1)[0] or None
+
+
 def execution_of_token(secret: bytes, token: str) -> str | None:
     """The execution a token was derived for, or None when it was not derived with `secret` (compared in
     constant time)."""
-    if not token.startswith(PREFIX) or "." not in token:
-        return None
-    execution_id = token[len(PREFIX) :].rsplit(".", 1)[0]
-    if not execution_id or not hmac.compare_digest(token, derive_execution_token(secret, execution_id)):
+    execution_id = execution_named_by(token)
+    if execution_id is None or not hmac.compare_digest(token, derive_execution_token(secret, execution_id)):
         return None
     return execution_id
 
 
-__all__ = ["PREFIX", "derive_execution_token", "execution_of_token"]
+__all__ = ["PREFIX", "derive_execution_token", "execution_named_by", "execution_of_token"]

@@ -21,7 +21,7 @@ from services.harness.taskgen import write_family
 from services.harness.taskrun import check_with_solution
 from services.harness.tasks import Task, TaskFormatError, discover_tasks, load_task
 from shared.events import stream_id_for
-from shared.execution_tokens import derive_execution_token, execution_of_token
+from shared.execution_tokens import derive_execution_token, execution_named_by, execution_of_token
 
 harness_app = typer.Typer(help="Tasks, sandboxes and executions of the harness service.", no_args_is_help=True)
 
@@ -194,10 +194,13 @@ def run_cmd(
             chosen = ExternalHarness(name="command", command=("bash", "-c", command))
         case other:
             raise typer.BadParameter(f"unknown harness {other!r}: expected builtin, claude-code or command")
+    if execution_id is None and token is not None:
+        # A token the run derived names its execution: its calls are recorded, and read back, on that stream.
+        execution_id = execution_named_by(token)
+        if execution_id is None and database_url:
+            raise typer.BadParameter("--execution-id is required with a --token that names no execution when the "
+                                     "calls are read from the log")
     if execution_id is None:
-        if token is not None and database_url:
-            # A token given alone names its execution only to the gateway: the log check would read another stream.
-            raise typer.BadParameter("--execution-id is required with --token when the calls are read from the log")
         execution_id = f"execution-{uuid.uuid4().hex[:12]}"
     execution_token = _execution_token(execution_id, token, token_secret)
     state = state_dir or Path(tempfile.mkdtemp(prefix="gyre-exec-")) / execution_id

@@ -58,17 +58,26 @@ def test_run_derives_the_token_of_the_named_execution_from_the_secret(tmp_path: 
     outcome = json.loads(result.output.strip().splitlines()[-1])
     assert outcome["execution_id"] == "execution-cli-1" and outcome["grade"]["score"] == 1.0
     assert {h["authorization"] for h in server.headers} == {f"Bearer {token}"}
+    # The token alone names its execution: the run is that execution, not a fresh id the gateway never saw.
+    with ScriptedAnthropicServer([shell("printf 'hello world\\n' > /app/hello.txt"), submit()], token=token) as server:
+        alone = runner.invoke(harness_app, [
+            "run", str(TASKS / "create-file-1"), "--base-url", server.base_url, "--model", "tiny", "--token", token,
+            "--backend", best_backend, "--state-dir", str(tmp_path / "again"),
+        ], env={"GYRE_DATABASE_URL": "", "GYRE_HARNESS_GATEWAY_TOKEN_SECRET": "", "GYRE_ROLLOUT_TOKEN_SECRET": ""})
+    assert alone.exit_code == 0, alone.output
+    assert json.loads(alone.output.strip().splitlines()[-1])["execution_id"] == "execution-cli-1"
 
 
 def test_run_refuses_a_token_it_cannot_tie_to_the_execution_whose_calls_it_reads(tmp_path: Path) -> None:
     """With the log to read, a token given without its execution id, or one not derived for the id given, would
     have the check read another execution's calls: refused before anything runs."""
-    from shared.execution_tokens import derive_execution_token
+    from shared.execution_tokens import derive_execution_token, execution_named_by
 
     common = ["run", str(TASKS / "create-file-1"), "--base-url", "http://127.0.0.1:9", "--model", "tiny"]
     alone = runner.invoke(harness_app, [*common, "--token", "gx-some-token"],
                           env={"GYRE_DATABASE_URL": "postgresql://nowhere/db"})
     assert alone.exit_code == 2 and "--execution-id is required" in alone.output
+    assert execution_named_by(derive_execution_token(SECRET.encode(), "execution-cli-9")) == "execution-cli-9"
     other = derive_execution_token(SECRET.encode(), "execution-other")
     mismatched = runner.invoke(harness_app, [*common, "--execution-id", "execution-cli-2", "--token", other,
                                              "--token-secret", SECRET])
