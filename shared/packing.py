@@ -26,7 +26,7 @@ class PackingError(ValueError):
 class Piece:
     """One contiguous pre-order range of a tree plus its carried ancestors; local positions."""
 
-    exec_index: int
+    target_exec: npt.NDArray[np.int32]  # the execution of each target (its advantage)
     input_ids: npt.NDArray[np.int32]
     position_ids: npt.NDArray[np.int32]
     subtree_end: npt.NDArray[np.int32]
@@ -55,8 +55,9 @@ def _piece(tree: TokenTree, exec_index: int, s: int, e: int) -> Piece:
     tp = parents[is_t].astype(np.int64)
     # A parent inside the range sits at its local index; one outside is a carried ancestor, laid out at its depth.
     pred = np.where(tp >= s, a + tp - s, tree.depth[np.maximum(tp, 0)])
+    target_exec = (tree.exec_of[tq] if tree.exec_of is not None else np.full(tq.shape[0], exec_index))
     return Piece(
-        exec_index=exec_index,
+        target_exec=target_exec.astype(np.int32),
         input_ids=tree.tokens[idx].astype(np.int32),
         position_ids=tree.depth[idx].astype(np.int32),
         subtree_end=local_end.astype(np.int32),
@@ -129,17 +130,14 @@ def assemble(pieces: Sequence[Piece]) -> MicroBatch:
         pred_pos=cat("pred_pos", True, np.int32),
         behaviour_logprob=cat("behaviour_logprob", False, np.float32),
         policy_version=cat("policy_version", False, np.int32),
-        target_exec=np.concatenate(
-            [np.full(p.target_pos.shape[0], p.exec_index, dtype=np.int32) for p in pieces]
-        ).astype(np.int32)
-        if pieces
-        else np.zeros(0, dtype=np.int32),
+        target_exec=cat("target_exec", False, np.int32),
     )
 
 
 def pack_trees(trees: Sequence[tuple[TokenTree, int]], budget: int) -> list[MicroBatch]:
     """Pack (tree, execution index) pairs into micro-batches of at most `budget` tokens each; every trainable
-    target (one with a parent) lands in exactly one micro-batch, or `PackingError` says why it cannot."""
+    target (one with a parent) lands in exactly one micro-batch, or `PackingError` says why it cannot. A tree of
+    several executions (`exec_of`, shared/token_tree.py: share_prefix) says each target's execution itself."""
     pieces: list[Piece] = []
     for tree, exec_index in trees:
         pieces.extend(split_tree(tree, exec_index, budget))

@@ -36,10 +36,15 @@ class TokenTree:
     parent: IntArray  # int32 [N]: previous token on its path, -1 at a root
     subtree_end: IntArray  # int32 [N]: one past its last descendant
     name: str = ""  # what the tree is, for error messages ("execution e-3")
+    # int32 [N]: the execution each token's targets belong to, for a tree holding several executions (their
+    # shared context merged: `share_prefix`); None for a tree of one execution (the packer is told which).
+    exec_of: IntArray | None = None
 
     def __post_init__(self) -> None:
         n = self.tokens.shape[0]
-        for field_name in ("is_target", "logprob", "policy_version", "depth", "parent", "subtree_end"):
+        for field_name in ("is_target", "logprob", "policy_version", "depth", "parent", "subtree_end", "exec_of"):
+            if getattr(self, field_name) is None:
+                continue
             shape = getattr(self, field_name).shape
             if shape != (n,):
                 raise TokenTreeError(f"{self.name or 'token tree'}: {field_name} has shape {shape}, expected ({n},)")
@@ -169,4 +174,56 @@ def tree_from_sequences(
     return SequenceTree(tree=tree, positions=positions)
 
 
-__all__ = ["SequenceTree", "TokenTree", "TokenTreeError", "tree_from_sequences"]
+def context_chain(tree: TokenTree) -> int:
+    """How many leading tokens form one unbranched chain of context every other token descends from: no target
+    among them, each the only child of the one before."""
+    n = tree.num_tokens
+    if n == 0:
+        return 0
+    idx = np.arange(n, dtype=np.int32)
+    ok = (tree.parent == idx - 1) & (tree.subtree_end == n) & ~tree.is_target
+    bad = np.flatnonzero(~ok)
+    return int(bad[0]) if bad.size else n
+
+
+def share_prefix(trees: Sequence[tuple[TokenTree, int]], *, name: str = "") -> tuple[TokenTree, int]:
+    """One tree of several executions' trees (tree, execution index) whose leading context is the same tokens:
+    that context once, each tree's remainder hanging from its end, every token tagged with its execution
+    (`exec_of`). Returns the tree and how many tokens it saved. Targets are never merged: the shared part holds
+    none, so each target keeps its own execution, logprob and policy version, and its context is unchanged.
+    """
+    if not trees:
+        raise TokenTreeError(f"{name or 'share_prefix'}: no trees")
+    first = trees[0][0]
+    k = min(context_chain(t) for t, _ in trees)
+    for t, _ in trees[1:]:
+        same = np.flatnonzero(t.tokens[:k] != first.tokens[:k])
+        k = int(same[0]) if same.size else k
+    parts: list[dict[str, npt.NDArray[np.generic]]] = []
+    size = k
+    for tree, exec_index in trees:
+        rest = slice(k, tree.num_tokens)
+        shift = size - k
+        parent = tree.parent[rest].astype(np.int64)
+        parts.append({
+            "tokens": tree.tokens[rest], "is_target": tree.is_target[rest], "logprob": tree.logprob[rest],
+            "policy_version": tree.policy_version[rest], "depth": tree.depth[rest],
+            # The remainder's first token hangs from the shared context's last token, which keeps its index.
+            "parent": np.where(parent >= k, parent + shift, parent),
+            "subtree_end": tree.subtree_end[rest].astype(np.int64) + shift,
+            "exec_of": np.full(tree.num_tokens - k, exec_index, dtype=np.int32),
+        })
+        size += tree.num_tokens - k
+    head = {
+        "tokens": first.tokens[:k], "is_target": np.zeros(k, dtype=np.bool_), "logprob": np.zeros(k, np.float32),
+        "policy_version": np.zeros(k, np.int32), "depth": first.depth[:k], "parent": first.parent[:k],
+        "subtree_end": np.full(k, size, dtype=np.int64), "exec_of": np.full(k, -1, dtype=np.int32),
+    }
+    dtypes = {"tokens": np.int32, "is_target": np.bool_, "logprob": np.float32, "policy_version": np.int32,
+              "depth": np.int32, "parent": np.int32, "subtree_end": np.int32, "exec_of": np.int32}
+    merged = {key: np.concatenate([head[key], *(p[key] for p in parts)]).astype(dtype) for key, dtype in dtypes.items()}
+    saved = sum(t.num_tokens for t, _ in trees) - size
+    return TokenTree(name=name, **merged), saved
+
+
+__all__ = ["SequenceTree", "TokenTree", "TokenTreeError", "context_chain", "share_prefix", "tree_from_sequences"]

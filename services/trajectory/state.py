@@ -271,6 +271,7 @@ class BatchParams:
     drop_zero_variance: bool
     max_staleness: int | None = None
     cap_keeps_final: bool = True  # the cap keeps the final call's trajectory first (cap.py); older batches: False
+    share_group_prefix: bool = True  # a query's executions packed over their common context once; older: False
 
     @classmethod
     def from_meta(cls, meta: dict[str, int | float | str]) -> BatchParams:
@@ -282,6 +283,7 @@ class BatchParams:
             drop_zero_variance=bool(int(meta["drop_zero_variance"])),
             max_staleness=None if int(staleness) < 0 else int(staleness),
             cap_keeps_final=meta.get("cap_rule") == "final-first",
+            share_group_prefix=meta.get("pack_rule") == "group-prefix",
         )
 
 
@@ -318,7 +320,7 @@ def assemble_step_batch(
     batch = build_training_batch(
         step, inputs, budget=params.budget, cap_k=params.cap_k, eps=params.eps,
         drop_zero_variance=params.drop_zero_variance, min_policy_version=min_version,
-        cap_keeps_final=params.cap_keeps_final,
+        cap_keeps_final=params.cap_keeps_final, share_group_prefix=params.share_group_prefix,
         extra_meta={
             "max_staleness": params.max_staleness if params.max_staleness is not None else -1,
             "queries": ",".join(q.query_id for q in log.step_queries(step)),

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from shared.batch import MicroBatch
 from shared.packing import PackingError, first_fit_decreasing, pack_trees
-from shared.token_tree import TokenTree, TokenTreeError, tree_from_sequences
+from shared.token_tree import TokenTree, TokenTreeError, context_chain, share_prefix, tree_from_sequences
 
 # A tiny vocabulary makes shared prefixes, and sequences that re-send or re-generate each other's tokens, frequent.
 VOCAB = 4
@@ -94,6 +94,40 @@ def test_packing_trains_every_target_once_with_its_flat_context_or_names_the_bud
     packed = unpack(mbs)
     assert len(packed) == len({pair for pair, _ in packed}), "a target was trained twice"
     assert dict(packed) == flat_pairs(executions)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.integers(0, VOCAB - 1), min_size=0, max_size=8), st.lists(sequence_sets(), min_size=1, max_size=4),
+       st.integers(1, 40))
+def test_a_groups_common_context_packed_once_trains_the_same_targets_with_the_same_context(
+    prompt: list[int], executions: list[Sequences], budget: int
+) -> None:
+    """A query's executions open with the same prompt (context, never a target): merged over it, every target is
+    trained once with its own execution, logprob, version and flat context, and the prompt is held once."""
+    executions = [[(prompt + ids, [False] * len(prompt) + targets) for ids, targets in seqs] for seqs in executions]
+    trees = [(build(e, seqs), e) for e, seqs in enumerate(executions)]
+    merged, saved = share_prefix(trees, name="query q")
+    assert merged.num_tokens == sum(t.num_tokens for t, _ in trees) - saved
+    assert saved >= (len(trees) - 1) * len(prompt)
+    assert set(merged.exec_of[merged.is_target].tolist()) <= set(range(len(trees)))
+    longest = max(len(ids) for seqs in executions for ids, _ in seqs)
+    if longest > budget:
+        with pytest.raises(PackingError):
+            pack_trees([(merged, -1)], budget)
+        return
+    mbs = pack_trees([(merged, -1)], budget)
+    for mb in mbs:
+        mb.validate(len(executions))
+    packed = unpack(mbs)
+    assert len(packed) == len({pair for pair, _ in packed}), "a target was trained twice"
+    assert dict(packed) == flat_pairs(executions)
+
+
+def test_trees_with_no_common_context_are_merged_over_nothing() -> None:
+    a, b = build(0, [([1, 2], [False, True])]), build(1, [([3, 2], [False, True])])
+    merged, saved = share_prefix([(a, 0), (b, 1)])
+    assert saved == 0 and merged.num_tokens == 4 and merged.exec_of.tolist() == [0, 0, 1, 1]
+    assert context_chain(build(0, [([1, 2, 3], [False, True, False])])) == 1  # a target ends the context
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -330,6 +330,31 @@ def test_training_batch_is_deterministic_and_round_trips() -> None:
     assert batch.meta["dropped_targets"] == cap_tree(trees[0], 2).dropped_targets + cap_tree(trees[1], 2).dropped_targets
 
 
+def test_a_querys_executions_are_packed_over_their_common_prompt_once() -> None:
+    """G executions of one query open with the same prompt: the batch holds it once, each execution's targets
+    keep their own advantage; another query's execution is not merged in."""
+    logs = []
+    for i, name in enumerate(("a", "b", "c")):
+        log = SyntheticExecution(name)
+        log.call(SYS + [ASSIST], [10 + i, 11], policy_version=0)
+        logs.append(log)
+    inputs = [ExecutionInput(n, "q" if n != "c" else "r", build_tree(n, log.records), r, sample_index=i)
+              for i, (n, log, r) in enumerate(zip("abc", logs, (1.0, 0.0, 1.0)))]
+    shared = build_training_batch(0, inputs, budget=64, cap_k=2)
+    apart = build_training_batch(0, inputs, budget=64, cap_k=2, share_group_prefix=False)
+    prompt = len(SYS) + 1
+    assert shared.meta["pack_rule"] == "group-prefix" and shared.meta["group_shared_tokens"] == prompt
+    assert "pack_rule" not in apart.meta  # batches built before the rule rebuild as they were
+    assert shared.meta["packed_tokens"] == apart.meta["packed_tokens"] - prompt
+    by_exec = {e: [] for e in range(3)}
+    for mb in shared.micro_batches:
+        mb.validate(3)
+        for e, t in zip(mb.target_exec.tolist(), mb.input_ids[mb.target_pos].tolist(), strict=True):
+            by_exec[e].append(t)
+    assert [sorted(v) for v in by_exec.values()] == [[10, 11], [11, 11], [11, 12]]  # each its own completion
+    assert sum(mb.num_targets for mb in shared.micro_batches) == sum(mb.num_targets for mb in apart.micro_batches)
+
+
 def test_zero_variance_group_is_left_out_of_the_batch_when_dropping() -> None:
     tree = build_tree("a", _fan_tree("a").records)
     inputs = [ExecutionInput("a", "q", tree, 1.0), ExecutionInput("b", "q", tree, 1.0)]
