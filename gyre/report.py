@@ -79,6 +79,7 @@ class RunReport:
     unique_tokens: int = 0
     flat_tokens: int = 0
     dedup_factor: float | None = None
+    group_shared_tokens: int = 0  # not packed again: a query's executions share their opening prompt
     # The trajectory cap over the trained executions: trajectories before and after it, executions it cut, and
     # the target tokens it left untrained.
     trained_executions: int = 0
@@ -164,6 +165,7 @@ def build_report(run_id: str, events: Sequence[Event]) -> RunReport:
         elif isinstance(data, BatchReady):
             report.unique_tokens += data.unique_tokens
             report.flat_tokens += data.flat_tokens
+            report.group_shared_tokens += data.group_shared_tokens
             report.stale_executions += data.stale_executions
             report.trained_executions += data.executions
             report.trajectories_before_cap += data.trajectories_before_cap
@@ -290,7 +292,11 @@ def summary_lines(report: RunReport) -> list[str]:
             f"last {report.reward_tail:.3f}; pass rate {report.steps[0].pass_rate:.2f} → {report.steps[-1].pass_rate:.2f}"
         )
     if report.dedup_factor is not None:
-        lines.append(f"tokens: {report.unique_tokens} unique, {report.flat_tokens} flat (dedup ×{report.dedup_factor:.2f})")
+        shared = report.group_shared_tokens
+        packed = report.unique_tokens - shared
+        lines.append(f"tokens: {report.unique_tokens} unique, {report.flat_tokens} flat (dedup ×{report.dedup_factor:.2f})"
+                     + (f"; {packed} packed, each query's opening prompt once (×{report.unique_tokens / packed:.2f})"
+                        if shared and packed > 0 else ""))
     if report.trajectories_before_cap:
         n = max(report.trained_executions, 1)
         lines.append(f"trajectories per execution: {report.trajectories_before_cap / n:.2f} before the cap, "

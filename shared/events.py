@@ -373,7 +373,8 @@ class ExecutionScored(_Extended):
 class BatchReady(_Extended):
     TYPE: ClassVar[str] = "batch.ready"
     WRITTEN_WHEN_SET: ClassVar[tuple[str, ...]] = ("stale_executions", "trajectories_before_cap",
-                                                   "trajectories_after_cap", "capped_executions", "dropped_targets")
+                                                   "trajectories_after_cap", "capped_executions", "dropped_targets",
+                                                   "group_shared_tokens")
     step: int = Field(ge=0)
     batch: BlobRef
     query_ids: list[str]
@@ -394,6 +395,8 @@ class BatchReady(_Extended):
     trajectories_after_cap: int = Field(default=0, ge=0)
     capped_executions: int = Field(default=0, ge=0)
     dropped_targets: int = Field(default=0, ge=0)
+    # Tokens the batch did not hold again because a query's executions share their opening prompt (packed once).
+    group_shared_tokens: int = Field(default=0, ge=0)
 
 
 @register

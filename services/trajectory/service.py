@@ -50,6 +50,7 @@ def batch_ready_data(step: int, batch: TrainingBatch, ref: BlobRef) -> BatchRead
         trajectories_after_cap=int(meta.get("trajectories_after_cap", 0)),
         capped_executions=int(meta.get("capped_executions", 0)),
         dropped_targets=int(meta.get("dropped_targets", 0)),
+        group_shared_tokens=int(meta.get("group_shared_tokens", 0)),
     )
 
 

@@ -46,7 +46,7 @@ def run_events():
                                  executions=4, trees=4, micro_batches=1, unique_tokens=100, flat_tokens=250,
                                  target_tokens=40, min_policy_version=step, max_policy_version=step,
                                  stale_executions=step, trajectories_before_cap=12, trajectories_after_cap=9,
-                                 capped_executions=1, dropped_targets=7), t + 2))
+                                 capped_executions=1, dropped_targets=7, group_shared_tokens=50), t + 2))
         out.append(ev(StepCompleted(step=step, policy_version=step + 1, world_size=1, seconds=1.5,
                                     metrics={"loss": 0.1 * step}), t + 3))
         t += 10
@@ -67,6 +67,9 @@ def test_report_folds_rewards_per_step_and_statistics(tmp_path):
     assert report.forks_by_cause == {"context_rewritten": 1, "reply_rewritten": 1}
     assert "forks by cause: context rewritten 1, reply rewritten 1" in summary_lines(report)
     assert report.dedup_factor == 2.5
+    assert report.group_shared_tokens == 100
+    assert "tokens: 200 unique, 500 flat (dedup ×2.50); 100 packed, each query's opening prompt once (×2.00)" \
+        in summary_lines(report)
     assert (report.trajectories_before_cap, report.trajectories_after_cap, report.capped_executions,
             report.cap_dropped_targets) == (24, 18, 2, 14)
     assert "trajectories per execution: 3.00 before the cap, 2.25 after; the cap cut 2 executions and left 14 " \
