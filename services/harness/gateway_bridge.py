@@ -5,11 +5,31 @@ to the gateway's TCP port. The inside half is relay_inside.py, which the sandbox
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from services.harness.sandbox_spec import SandboxError
+
+
+# A Unix socket's path holds at most 107 bytes; a run folder nested deep (a runs_dir of its own, long execution ids)
+# passes that. Such a socket is bound through a descriptor of its folder, /proc/self/fd/N/<name>: the same file.
+_MAX_SOCKET_PATH = 100
+
+
+@contextlib.contextmanager
+def _bindable(path: Path) -> Iterator[str]:
+    """A path `bind` accepts for the socket at `path`, however deep its folder."""
+    if len(os.fsencode(str(path))) <= _MAX_SOCKET_PATH:
+        yield str(path)
+        return
+    folder = os.open(path.parent, os.O_PATH | os.O_DIRECTORY)
+    try:
+        yield f"/proc/self/fd/{folder}/{path.name}"
+    finally:
+        os.close(folder)
 
 
 class GatewayBridge:
@@ -21,16 +41,24 @@ class GatewayBridge:
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._server: asyncio.AbstractServer | None = None
+        self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"gw-bridge-{socket_path.name}", daemon=True)
         self._thread.start()
-        if not self._ready.wait(10):
-            raise SandboxError(f"gateway bridge on {socket_path} did not start")
+        if not self._ready.wait(10) or self._error is not None:
+            cause = f": {type(self._error).__name__}: {self._error}" if self._error is not None else ""
+            raise SandboxError(f"gateway bridge on {socket_path} did not start{cause}")
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
-        self._server = self._loop.run_until_complete(asyncio.start_unix_server(self._handle, path=str(self.socket_path)))
-        # The sandbox uid must be able to connect; the folder above keeps other users out of the state dir.
-        os.chmod(self.socket_path, 0o777)
+        try:
+            with _bindable(self.socket_path) as path:
+                self._server = self._loop.run_until_complete(asyncio.start_unix_server(self._handle, path=path))
+            # The sandbox uid must be able to connect; the folder above keeps other users out of the state dir.
+            os.chmod(self.socket_path, 0o777)
+        except BaseException as exc:  # told to the constructor, which raises it as the sandbox's error
+            self._error = exc
+            self._ready.set()
+            return
         self._ready.set()
         self._loop.run_forever()
 
