@@ -8,6 +8,7 @@ NATS and PostgreSQL exactly as they would on separate nodes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -139,9 +140,16 @@ async def _watch(
     events: list[Event] = []
     position = 0
     started = time.monotonic()
+    # A stop signal is taken by the loop, not raised inside whatever it is awaiting (a database call's greenlet
+    # cannot be unwound by it): the watch closes the store, then raises the interrupt the caller handles.
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
     try:
         with Live(console=console, refresh_per_second=2) as live:
-            while True:
+            while not stop.is_set():
                 page = await store.read_after(position, run_id=run_id, limit=5000)
                 if page:
                     position = page[-1].position
@@ -155,9 +163,13 @@ async def _watch(
                         restart(proc, env, log_dir)
                 if time.monotonic() - started > timeout_s:
                     raise TimeoutError(f"the run did not finish {steps} steps within {timeout_s:.0f} s")
-                await asyncio.sleep(0.5)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 0.5)
     finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
         await store.close()
+    raise KeyboardInterrupt("stopped by a signal")
 
 
 def _view(events: list[Event], procs: list[Proc], steps: int, elapsed: float) -> Table:

@@ -53,6 +53,7 @@ async def test_a_stopped_run_resumes_from_its_log_and_checkpoints(store, bus, in
     stopped_at = len([s for s in await store.read_all(run_id=run_id, types=["step.completed"])])
     assert 1 <= stopped_at < STEPS, f"{stopped_at} of {STEPS} steps when stopped: nothing to resume"
     assert f"gyre run --resume {run_id}" in log.read_text()
+    assert "Traceback" not in log.read_text()  # the watch stopped cleanly, its store closed
 
     resumed = _gyre_run(["--resume", run_id, "--set", f"logging.runs_dir={runs}"], env, log)
     try:
