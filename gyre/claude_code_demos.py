@@ -15,19 +15,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from services.harness.claude_code_request import load_recording
+from services.harness.claude_code_request import load_recording, put_instruction
 from services.harness.demos import DemoInstance, sample_instances, shipped_params
 from services.rollout.anthropic_api import parse_request
 
 BASH_DESCRIPTION = "Run the command"
 FINAL_TEXT = "Done."
-
-
-def _substitute(body: dict[str, Any], recorded: str, instruction: str) -> None:
-    for message in body["messages"]:
-        for part in message["content"] if isinstance(message["content"], list) else []:
-            if part.get("type") == "text" and part.get("text") == recorded:
-                part["text"] = instruction
 
 
 def demo_request(instance: DemoInstance, recording: dict[str, Any]) -> dict[str, Any]:
@@ -39,7 +32,7 @@ def demo_request(instance: DemoInstance, recording: dict[str, Any]) -> dict[str,
             for part in message["content"] if isinstance(message["content"], list) else []:
                 if part.get("type") == "tool_use" and part.get("name") == "Bash":
                     part["input"] = {"command": instance.command, "description": BASH_DESCRIPTION}
-    _substitute(body, recording["instruction"], instance.instruction)
+    put_instruction(body, recording, instance.instruction)
     body["messages"].append({"role": "assistant", "content": [{"type": "text", "text": FINAL_TEXT}]})
     return body
 

