@@ -84,6 +84,9 @@ class TitoState:
     max_anchors: int = 32
     anchors: OrderedDict[str, Anchor] = field(default_factory=OrderedDict)
     chains: dict[str, str] = field(default_factory=dict)  # chain_key -> chain_id
+    # What the chat template appends for the model's turn (learned at the execution's first plan): each later
+    # prompt's conversation text is its prompt's text less it, one render fewer a call.
+    generation_prompt: str | None = None
 
     def plan(self, conversation: Conversation, codec: ChatCodec) -> PromptPlan:
         """Build the prompt ids for `conversation`. Changes nothing this state shows: the ids may be appended to
@@ -124,9 +127,7 @@ class TitoState:
         if not conversation.messages:
             raise ValueError("a conversation needs at least one message")
         prompt_text = codec.render(conversation, add_generation_prompt=True)
-        conversation_text = codec.render(conversation, add_generation_prompt=False)
-        if not prompt_text.startswith(conversation_text):
-            raise TemplateNotIncremental("the generation prompt does not extend the rendered conversation")
+        conversation_text = self._conversation_text(conversation, prompt_text, codec)
         anchor = self._longest_anchor(conversation)
         prefix_text = ""
         if anchor is not None and conversation_text.startswith(anchor.text):
@@ -145,6 +146,22 @@ class TitoState:
         middle = _ids(codec.encode(conversation_text[len(prefix_text) :]))
         generation_prompt = _ids(codec.encode(prompt_text[len(conversation_text) :]))
         return anchor, prompt_text, conversation_text, middle, generation_prompt
+
+    def _conversation_text(self, conversation: Conversation, prompt_text: str, codec: ChatCodec) -> str:
+        """The prompt's text without the generation prompt: rendered once per execution (which gives the
+        template's generation prompt), after that the prompt's text less that generation prompt where it ends
+        with it. Either way it is a prefix of the prompt's text, the one thing the ids rely on: every anchor used
+        is checked to be a prefix of the text it stands in, so a template whose generation prompt varied would
+        cost reuse, never exactness."""
+        known = self.generation_prompt
+        if known and prompt_text.endswith(known):
+            return prompt_text[: -len(known)]
+        conversation_text = codec.render(conversation, add_generation_prompt=False)
+        if not prompt_text.startswith(conversation_text):
+            raise TemplateNotIncremental("the generation prompt does not extend the rendered conversation")
+        if known is None:
+            self.generation_prompt = prompt_text[len(conversation_text) :]
+        return conversation_text
 
     def commit(
         self,

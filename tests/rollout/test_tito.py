@@ -289,3 +289,44 @@ def test_copies_of_messages_and_conversations_do_not_keep_stale_keys() -> None:
     # Surrounding whitespace is not part of a message's identity; a lone surrogate (valid JSON) hashes too.
     assert ChatMessage(role="user", content=" hello\n").digest == hello.digest
     assert ChatMessage(role="user", content="\ud800").digest != hello.digest
+
+
+class _CountingCodec(CharCodec):
+    """The char codec, counting its renders; with `varying`, a template whose generation prompt depends on the
+    conversation (a hint after a tool result), as some templates do."""
+
+    def __init__(self, *, varying: bool = False) -> None:
+        super().__init__()
+        self.renders = 0
+        self.varying = varying
+
+    def render(self, conversation: Conversation, *, add_generation_prompt: bool) -> str:
+        self.renders += 1
+        text = super().render(conversation, add_generation_prompt=add_generation_prompt)
+        if add_generation_prompt and self.varying and conversation.messages[-1].role == "tool":
+            text += "(after a tool) "
+        return text
+
+
+def test_after_the_first_call_a_prompt_is_rendered_once_and_a_varying_generation_prompt_stays_exact() -> None:
+    for varying in (False, True):
+        codec = _CountingCodec(varying=varying)
+        state = TitoState()
+        conv = Conversation(messages=(ChatMessage(role="user", content="start"),), tools=TOOLS)
+        for i in range(4):
+            before = codec.renders
+            plan = state.plan(conv, codec)
+            rendered = codec.renders - before
+            # Every prompt is the template's own rendering with its generation prompt, whatever the shortcut.
+            assert plan.prompt_text == codec.render(conv, add_generation_prompt=True)
+            assert codec.decode(list(plan.prompt)) == codec.decode(codec.encode(plan.prompt_text))
+            assert plan.conversation_text == plan.prompt_text[: len(plan.conversation_text)]
+            if i > 0 and not varying:
+                assert rendered == 1  # the generation prompt learned at the first call
+            text = format_tool_call("bash", {"command": f"ls {i}"}, "")
+            completion = np.asarray(codec.encode(text) + [codec.end_of_turn_id], dtype=np.int32)
+            reply = reply_message(text)
+            state.commit(plan, completion=completion, reply=reply, codec=codec)
+            conv = Conversation(messages=conv.messages + (reply, ChatMessage(role="tool", content=f"out {i}")),
+                                tools=TOOLS)
+        assert state.generation_prompt == "<|im_start|>assistant\n"
