@@ -12,8 +12,25 @@ from services.rollout.conversation import ToolSpec, schema_problem
 from services.rollout.errors import invalid
 
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,128}$")
+# How deep a request's JSON may nest (tool schemas and inputs nest a few levels; what reads them recurses).
+MAX_JSON_DEPTH = 100
 # A call seed is derived from the request's seed by the engine's sampler as a signed 64-bit integer.
 MAX_SEED = 2**63
+
+
+def nesting_problem(value: Any, limit: int = MAX_JSON_DEPTH) -> str | None:
+    """Why a parsed JSON value nests too deeply for the code that walks it (digests, the chat template), if it
+    does: checked without recursion, stopping at the first path past `limit`."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return f"request body nests deeper than {limit} levels"
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values() if isinstance(v, (dict, list)))
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node if isinstance(v, (dict, list)))
+    return None
 
 
 def request_object(body: Any) -> dict[str, Any]:
@@ -141,6 +158,7 @@ def chunks(text: str, size: int = 64) -> list[str]:
 
 
 __all__ = [
+    "MAX_JSON_DEPTH",
     "MAX_SEED",
     "TOOL_NAME",
     "all_tools",
@@ -151,6 +169,7 @@ __all__ = [
     "checked_stop",
     "chunks",
     "content_text",
+    "nesting_problem",
     "one_tool",
     "request_object",
     "tool_spec",

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from services.rollout.anthropic_api import ANTHROPIC, parse_request
+from services.rollout.api_common import MAX_JSON_DEPTH, nesting_problem
 from services.rollout.api_types import ApiAdapter
 from services.rollout.errors import ApiError, invalid
 from services.rollout.gateway_core import GatewayCore
@@ -46,11 +47,14 @@ async def _read_json(request: Request, max_body_bytes: int) -> Any:
         if len(body) > max_body_bytes:
             raise ApiError("request_too_large", f"request body exceeds the {max_body_bytes}-byte limit")
     try:
-        return json.loads(body)
+        parsed = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise invalid(f"request body is not valid JSON: {exc}") from exc
-    except RecursionError as exc:
-        raise invalid("request body is nested too deeply") from exc
+    except RecursionError as exc:  # deeper than the parser goes: past the limit below too
+        raise invalid(f"request body nests deeper than {MAX_JSON_DEPTH} levels") from exc
+    if problem := nesting_problem(parsed):
+        raise invalid(problem)
+    return parsed
 
 
 def _error(adapter: ApiAdapter, exc: ApiError) -> JSONResponse:

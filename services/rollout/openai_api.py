@@ -15,6 +15,7 @@ from services.rollout.api_common import (
     checked_stop,
     chunks,
     content_text,
+    nesting_problem,
     one_tool,
     request_object,
     tool_spec,
@@ -42,9 +43,10 @@ def _arguments(raw: Any) -> dict[str, Any]:
     if isinstance(raw, str):
         try:
             value = json.loads(raw) if raw.strip() else {}
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return {"__raw__": raw}  # keep what the harness sent; it still renders and compares by value
-        return value if isinstance(value, dict) else {"__raw__": raw}
+        # Arguments nested past what the digests and the template walk stay the text they came as.
+        return value if isinstance(value, dict) and nesting_problem(value) is None else {"__raw__": raw}
     return {}
 
 

@@ -294,7 +294,7 @@ _FN = {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type"
         {"name": "f", "input_schema": {"type": "object", "properties": {"a": "string"}}}]}, "properties"),
     ("/v1/messages", {"model": "tiny", "max_tokens": 5, "messages": _USER, "tool_choice": {"type": "any"}, "tools": [
         {"name": "f", "input_schema": {"type": "object", "properties": {}, "required": 5}}]}, "required"),
-    ("/v1/messages", "[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    ("/v1/messages", "[" * 100_000 + "]" * 100_000, "nests deeper than 100 levels"),
 ], ids=["oa-choice-fn", "oa-choice-kind", "oa-tool-calls", "oa-description", "oa-properties",
         "an-property-schema", "an-required", "deep-json"])
 async def test_malformed_bodies_are_400_naming_the_field(path: str, body: object, fragment: str) -> None:

@@ -4,14 +4,19 @@ its contract suite, test_recorders.py)."""
 from __future__ import annotations
 
 import asyncio
+import json
+import uuid
 
 import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from services.rollout.protocol import (
     DrainRequest,
     GenerateRequest,
     SamplingSpec,
     TokenPayload,
+    tokens_digest,
 )
 from services.rollout.router import Router, WorkerDirectory
 from services.rollout.transport import (
@@ -21,6 +26,7 @@ from services.rollout.transport import (
     watch_statuses,
 )
 from services.rollout.worker import RolloutWorker
+from shared.worker_status import worker_subject
 from tests.rollout.fakes import CharCodec, ScriptedEngine
 
 CODEC = CharCodec()
@@ -102,3 +108,75 @@ async def test_an_announced_end_reaches_every_worker_over_nats(bus) -> None:
     finally:
         for server in servers:
             await server.stop()
+
+
+_GOOD = GenerateRequest(request_id="r", execution_id="hostile", base_len=0,
+                        delta=TokenPayload.pack(np.arange(100, 120, dtype=np.int32))[0],
+                        sampling=SamplingSpec(max_tokens=8)).model_dump(mode="json")
+_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=True)
+    | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=6)
+
+
+def _generate_mutant(path: tuple[str, ...], value: object) -> bytes:
+    body = json.loads(json.dumps(_GOOD))
+    holder = body
+    for step in path[:-1]:
+        holder = holder[step]
+    holder[path[-1]] = value
+    return json.dumps(body, allow_nan=True).encode()
+
+
+_bodies = (
+    st.binary(max_size=100)
+    | _values.map(lambda v: json.dumps(v, allow_nan=True).encode())
+    | st.builds(_generate_mutant, st.sampled_from([
+        ("base_len",), ("base_digest",), ("delta",), ("delta", "count"), ("delta", "inline"),
+        ("delta", "object_name"), ("sampling",), ("sampling", "max_tokens"), ("sampling", "temperature"),
+        ("execution_id",), ("chain_id",), ("reclaim",)]), _values)
+)
+
+
+@settings(max_examples=8, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(requests=st.lists(st.tuples(st.sampled_from(["generate", "adopt", "drain", "end"]), _bodies),
+                         min_size=3, max_size=10))
+async def test_the_workers_internal_api_answers_whatever_it_is_sent_and_keeps_serving(bus, requests) -> None:
+    """Generated malformed requests at a worker's NATS endpoints: each is answered (an error naming what is wrong,
+    or a reply when it happens to be valid), never left to time out, and the worker goes on serving a session
+    it holds."""
+    worker = RolloutWorker(ScriptedEngine(CODEC, max_model_len=1 << 16), worker_id=f"fz{uuid.uuid4().hex[:6]}",
+                           cell_id="c0")
+    server = await WorkerServer(worker, bus, heartbeat_s=0.2).start()
+    client = NatsWorkerClient(bus)
+    prompt = np.arange(100, 140, dtype=np.int32)
+    try:
+        first = await client.generate(worker.worker_id, GenerateRequest(
+            request_id="c1", execution_id="control", base_len=0, delta=TokenPayload(count=0),
+            sampling=SamplingSpec(max_tokens=5)), prompt)
+        assert first.status == "ok"
+        for verb, body in requests:
+            if verb == "drain" and _validates(DrainRequest, body):
+                continue  # a well-formed drain drains: not what this test sends
+            subject = worker_subject(bus.prefix, worker.worker_id, verb)
+            answer = json.loads(await bus.request(subject, body, timeout=10))
+            assert isinstance(answer, dict)
+            if set(answer) == {"error"}:
+                assert isinstance(answer["error"], str) and answer["error"].strip()
+        history = np.concatenate([prompt, np.asarray(first.completion, dtype=np.int32)])
+        nxt = await client.generate(worker.worker_id, GenerateRequest(
+            request_id="c2", execution_id="control", base_len=len(history), base_digest=tokens_digest(history),
+            delta=TokenPayload(count=0), sampling=SamplingSpec(max_tokens=5)), np.arange(200, 210, dtype=np.int32))
+        assert nxt.status == "ok", nxt.detail
+    finally:
+        await server.stop()
+
+
+def _validates(model: type, body: bytes) -> bool:
+    try:
+        model.model_validate_json(body)
+    except ValueError:
+        return False
+    return True

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import time
+import uuid
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from shared.bus import (
     DLQ_DELIVERIES,
@@ -18,7 +22,7 @@ from shared.bus import (
     PoisonMessage,
     PublishFailed,
 )
-from shared.events import Event
+from shared.events import Event, EventError, parse_event
 from tests.conftest import drop_bus, make_bus
 from tests.shared.helpers import assigned
 
@@ -365,3 +369,79 @@ async def test_a_read_whose_chunks_are_gone_fails_instead_of_waiting_for_ever(nb
     await nbus.js.purge_stream(store._stream, subject=f"$O.{info.bucket}.C.{info.nuid}")  # noqa: SLF001
     with pytest.raises(ObjectFetchTimeout, match="0 B arrived, then nothing for 1 s"):
         await nbus.get_object(digest, stall_s=1.0)
+
+
+def _mutated_event(good: Event, path: tuple[str, ...], value: object) -> bytes:
+    body = json.loads(good.to_json())
+    holder = body
+    for step in path[:-1]:
+        holder = holder[step]
+    if value is _DELETE:
+        holder.pop(path[-1], None)
+    else:
+        holder[path[-1]] = value
+    return json.dumps(body, allow_nan=True).encode()
+
+
+_DELETE = object()
+_EVENT_PATHS = [("type",), ("schema_version",), ("data",), ("stream_id",), ("version",), ("event_id",),
+                ("occurred_at",), ("run_id",), ("data", "cell_id"), ("data", "role"), ("data", "policy")]
+_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=12)
+    | st.sampled_from(["cell.released", "cell.exploded", "rollout", "train", 0, -1, 2**70]),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6)
+_payloads = (
+    st.binary(max_size=120)
+    | _values.map(lambda v: json.dumps(v, allow_nan=True).encode())
+    | st.builds(lambda p, v: (p, v), st.sampled_from(_EVENT_PATHS), _values | st.just(_DELETE))
+    | st.integers(200, 3000).map(lambda n: b'{"type": "cell.assigned", "data": ' + b"[" * n + b"]" * n + b"}")
+)
+
+
+@settings(max_examples=6, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(payloads=st.lists(_payloads, min_size=5, max_size=12))
+async def test_generated_malformed_events_are_dead_lettered_never_dropped(backend, payloads: list) -> None:
+    """Whatever lands on an event subject is either an event the handler gets or a dead letter with its reason:
+    handled plus dead-lettered is everything published, and the consumer goes on. (A bus of its own per
+    example: a new consumer reads its stream from the start.)"""
+    nbus = await make_bus(backend.nats_url)
+    try:
+        await _dead_letter_or_deliver(nbus, payloads)
+    finally:
+        await drop_bus(nbus)
+
+
+async def _dead_letter_or_deliver(nbus: Bus, payloads: list) -> None:
+    durable = f"fuzz-{uuid.uuid4().hex[:8]}"
+    sent: list[bytes] = []
+    for i, payload in enumerate(payloads):
+        raw = _mutated_event(assigned(), *payload) if isinstance(payload, tuple) else payload
+        await nbus.publish_raw(nbus.subject("cell.assigned"), raw, msg_id=f"{durable}-{i}")
+        sent.append(raw)
+    last = assigned("cell-last")
+    await nbus.publish(last)
+    parses = []
+    for raw in sent:
+        try:
+            parse_event(raw)
+            parses.append(True)
+        except EventError:
+            parses.append(False)
+    handled: list[Event] = []
+
+    async def handler(event: Event, msg: object) -> None:
+        handled.append(event)
+
+    async def done() -> None:
+        while not any(e.stream_id == "cell-last" for e in handled):
+            await asyncio.sleep(0.05)
+        while len(await nbus.read_dead_letters(durable, timeout=0.2)) < parses.count(False):
+            await asyncio.sleep(0.05)
+
+    await consume_until(nbus, durable, ["cell.assigned"], handler, done)
+    letters = await nbus.read_dead_letters(durable)
+    assert sorted(d for d, _ in letters) == sorted(raw for raw, ok in zip(sent, parses, strict=True) if not ok)
+    assert all(headers[DLQ_REASON].strip() for _, headers in letters)
+    assert len(handled) == parses.count(True) + 1
