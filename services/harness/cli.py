@@ -19,7 +19,7 @@ from services.harness.outcomes import AgentStopped
 from services.harness.sandboxes import BACKEND_NAMES
 from services.harness.taskgen import write_family
 from services.harness.taskrun import check_with_solution
-from services.harness.tasks import Task, TaskFormatError, discover_tasks, load_task
+from services.harness.tasks import Task, TaskFormatError, load_task, scan_tasks
 from shared.events import stream_id_for
 from shared.execution_tokens import derive_execution_token, execution_named_by, execution_of_token
 
@@ -80,9 +80,12 @@ def run_solution_cmd(
 @harness_app.command("check-all")
 def check_all(tasks_dir: Path = Path("tasks"), backend: Backend = "auto") -> None:
     """Every task must score 1.0 with its solution and < 1.0 untouched (the acceptance check)."""
-    failures = 0
+    tasks, malformed = scan_tasks(tasks_dir)
+    for name, problem in malformed.items():
+        typer.echo(f"BAD  {name:28s} {problem}")
+    failures = len(malformed)
     with tempfile.TemporaryDirectory(prefix="gyre-check-") as tmp:
-        for task in discover_tasks(tasks_dir):
+        for task in tasks:
             solved = check_with_solution(task, Path(tmp) / f"{task.task_id}-solved", backend=backend)
             untouched = check_with_solution(task, Path(tmp) / f"{task.task_id}-untouched", backend=backend, apply_solution=False)
             ok = solved.score == 1.0 and untouched.score < 1.0

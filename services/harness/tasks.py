@@ -22,7 +22,8 @@ class TaskFormatError(ValueError):
     def __init__(self, path: Path, field: str | None, problem: str) -> None:
         self.path = path
         self.field = field
-        self.problem = problem
+        self.problem = " ".join(problem.split())  # one line, whatever the parser said (YAML's errors span lines)
+        problem = self.problem
         where = f"{path}: field '{field}'" if field else str(path)
         super().__init__(f"{where}: {problem}")
 
@@ -115,9 +116,13 @@ def load_task(root: Path | str) -> Task:
     if not task_yaml.is_file():
         raise TaskFormatError(task_yaml, None, "missing: every task folder needs a task.yaml")
     try:
-        raw = yaml.safe_load(task_yaml.read_text())
+        raw = yaml.safe_load(task_yaml.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise TaskFormatError(task_yaml, None, f"not UTF-8 text: {exc}") from exc
     except yaml.YAMLError as exc:
         raise TaskFormatError(task_yaml, None, f"not valid YAML: {exc}") from exc
+    except RecursionError as exc:
+        raise TaskFormatError(task_yaml, None, "not valid YAML: nested too deeply") from exc
     if not isinstance(raw, dict):
         raise TaskFormatError(task_yaml, None, f"expected a mapping at the top level, got {type(raw).__name__}")
     try:
@@ -157,6 +162,21 @@ def load_task(root: Path | str) -> Task:
 
 
 def discover_tasks(root: Path | str) -> list[Task]:
-    """Load every task folder directly under root (folders holding a task.yaml), sorted by name."""
+    """Load every task folder directly under root (folders holding a task.yaml), sorted by name; the first
+    malformed one raises its TaskFormatError."""
     root = Path(root)
     return [load_task(path) for path in sorted(root.iterdir()) if (path / "task.yaml").is_file()]
+
+
+def scan_tasks(root: Path | str) -> tuple[list[Task], dict[str, TaskFormatError]]:
+    """Every task folder directly under root (holding a task.yaml), sorted by name: the ones that load, and
+    what is wrong with each one that does not, by folder name (a checker reports those and checks the rest)."""
+    tasks: list[Task] = []
+    problems: dict[str, TaskFormatError] = {}
+    for path in sorted(Path(root).iterdir()):
+        if (path / "task.yaml").is_file():
+            try:
+                tasks.append(load_task(path))
+            except TaskFormatError as exc:
+                problems[path.name] = exc
+    return tasks, problems
