@@ -64,6 +64,7 @@ class BudgetsSection(_Section):
 class SchedulingSection(_Section):
     mode: Literal["elastic", "async", "colocate"] = "async"
     cells: int = Field(default=2, ge=2)  # on this machine; each runs a rollout worker or a trainer rank
+    gateways: int = Field(default=1, ge=1)  # gateway processes; each execution sticks to one (shared.gateways)
     device: str = "cpu"  # cpu, or cuda: cell i gets accelerators [i*k, (i+1)*k)
     accelerators_per_cell: int = Field(default=1, ge=1)
     warm: bool = True  # a switch wakes the cell's standing-by process instead of restarting it

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -62,6 +63,7 @@ def run_environment(
     gateway_port: int,
     token_secret: str | None = None,
     extra: dict[str, str] | None = None,
+    more_gateway_ports: Sequence[int] = (),
 ) -> dict[str, str]:
     """The environment every process of one run shares: the config's settings as the `GYRE_…` variables the
     services read (gyre/config.py), and where this run's servers, folders and ports are."""
@@ -84,7 +86,8 @@ def run_environment(
         "GYRE_CELL_HEALTH_PORT_BASE": str(local.free_port_block(2 * cells)),
         "GYRE_CELL_LOG_DIR": str(run_dir / "logs" / "cells"),
         "GYRE_ROLLOUT_PORT": str(gateway_port),
-        "GYRE_HARNESS_GATEWAY_URL": f"http://127.0.0.1:{gateway_port}",
+        # Every gateway of the run: the harness sticks each execution to one of them (shared.gateways).
+        "GYRE_HARNESS_GATEWAY_URL": ",".join(f"http://127.0.0.1:{p}" for p in (gateway_port, *more_gateway_ports)),
         # The harness derives each execution's token from this secret and the gateway recognises it (no call
         # between them); the tokens survive a gateway restart (the launcher restarts services) and a resume.
         "GYRE_ROLLOUT_TOKEN_SECRET": secret,
@@ -381,12 +384,14 @@ def _run(config: RunConfig, plan: RunPlan, run_id: str, run_dir: Path, record: R
         (run_dir / RUN_CONFIG).write_text(dump(config))
     else:
         model_dir = Path(record.model_dir)
+    more_gateways = [local.free_port() for _ in range(s.gateways - 1)]
     env = run_environment(
         config, run_id=run_id, nats_url=endpoints.nats_url, database_url=endpoints.database_url,
         model_dir=model_dir, run_dir=run_dir, task_ids=record.task_ids if record else plan.task_ids,
         gateway_port=local.free_port(), token_secret=record.token_secret if record else None,
+        more_gateway_ports=more_gateways,
     )
-    procs = service_processes(sys.executable)
+    procs = service_processes(sys.executable, more_gateway_ports=more_gateways)
     # The services run in their own sessions (a Ctrl-C in the terminal reaches only this process), so a
     # SIGTERM or SIGHUP to `gyre run` must stop them as Ctrl-C does.
     previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}

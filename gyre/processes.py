@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,17 +44,21 @@ class Proc:
             self.popen.wait()
 
 
-def service_processes(python: str) -> list[Proc]:
+def service_processes(python: str, *, more_gateway_ports: Sequence[int] = ()) -> list[Proc]:
     """Every long-running process of a run, in start order (the same entry points compose.yaml runs).
 
     The cell agent starts a rollout worker or a trainer rank on each of its cells, as the scheduler orders;
-    the trainer process is the coordinator of the ranks (it holds no model).
+    the trainer process is the coordinator of the ranks (it holds no model). A run with several gateways runs
+    one more process for each of `more_gateway_ports`, each with a name of its own (its durable consumer).
     """
+    gateway = [python, "-m", "services.rollout", "gateway"]
     return [
         Proc("relay", [python, "-m", "shared.relay"]),
         Proc("trajectory", [python, "-m", "services.trajectory"]),
         Proc("trainer", [python, "-m", "services.trainer"]),
-        Proc("gateway", [python, "-m", "services.rollout", "gateway"]),
+        Proc("gateway", gateway),
+        *(Proc(f"gateway-{i}", gateway, env={"GYRE_ROLLOUT_PORT": str(port), "GYRE_ROLLOUT_GATEWAY_ID": str(i)})
+          for i, port in enumerate(more_gateway_ports, start=1)),
         Proc("harness", [python, "-m", "services.harness"]),
         Proc("cells", [python, "-m", "services.scheduler", "cell"]),
         Proc("scheduler", [python, "-m", "services.scheduler", "serve"]),

@@ -226,7 +226,9 @@ def _cells(plan: RunPlan) -> None:
                                  f"{visible} visible: the last cells get no device")
     if s.mode == "async" and s.cells < 2:
         plan.errors.append("scheduling.cells: async needs one cell to roll out and one to train")
-    base = ["relay", "trajectory", "trainer (coordinator, holds no model)", "gateway", "harness", "scheduler"]
+    gateways = ["gateway"] if s.gateways == 1 else [
+        f"gateway {i} of {s.gateways} (each execution sticks to one)" for i in range(s.gateways)]
+    base = ["relay", "trajectory", "trainer (coordinator, holds no model)", *gateways, "harness", "scheduler"]
     plan.processes = base + ["cells (agent)"]
     for i in range(s.cells):
         devices = ",".join(str(d) for d in range(i * s.accelerators_per_cell, (i + 1) * s.accelerators_per_cell))

@@ -42,6 +42,7 @@ from shared.events import (
     stream_id_for,
 )
 from shared.execution_tokens import derive_execution_token
+from shared.gateways import gateway_for, gateway_urls
 from shared.runtime import Service
 from shared.settings import Settings
 
@@ -58,7 +59,9 @@ class HarnessSettings(BaseSettings):
 
     tasks_dir: Path = Path("tasks")
     work_dir: Path = Path(".gyre/executions")
-    gateway_url: str = "http://127.0.0.1:8400"  # the gateway's default GYRE_ROLLOUT_PORT
+    # The gateway's default GYRE_ROLLOUT_PORT; a run served by several gateways lists them all, comma-separated,
+    # and each execution sticks to one of them (shared.gateways).
+    gateway_url: str = "http://127.0.0.1:8400"
     # The gateway's GYRE_ROLLOUT_TOKEN_SECRET (read from it when not set), required: each execution's token is
     # derived from it and the execution id (shared.execution_tokens), and the gateway, holding the same secret,
     # recognises the token without being told of it, across its restarts too.
@@ -81,6 +84,7 @@ class HarnessService(Service):
     def __init__(self, settings: Settings | None = None, harness: HarnessSettings | None = None) -> None:
         super().__init__(settings)
         self.h = harness or HarnessSettings()
+        self._gateways = gateway_urls(self.h.gateway_url)  # a bad list is named before anything runs
         self._slots = asyncio.Semaphore(self.h.concurrency)
         # One thread per slot, apart from the event loop's default pool (see run_execution_async).
         self._threads = concurrent.futures.ThreadPoolExecutor(self.h.concurrency, thread_name_prefix="execution")
@@ -231,7 +235,8 @@ class HarnessService(Service):
                     execution_id=execution_id,
                     task=self.task(started.task_id),
                     harness=self.harness_config(started.harness),
-                    gateway=GatewayAccess(base_url=self.h.gateway_url, token=token, model=self.h.model_name),
+                    gateway=GatewayAccess(base_url=gateway_for(execution_id, self._gateways), token=token,
+                                          model=self.h.model_name),
                     state_dir=self.h.work_dir / execution_id,
                     budget=budget,
                     backend=self.h.backend,

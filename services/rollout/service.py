@@ -105,6 +105,10 @@ class RolloutSettings(BaseSettings):
     # The run's execution-token secret (shared.execution_tokens), shared with the harness: required by the gateway.
     token_secret: str = ""
     max_body_bytes: int = 32 * 1024 * 1024
+    # This gateway's name among the run's gateways (a run may have several; the harness sticks each execution to
+    # one): each reads executions' starts and ends on a durable consumer of its own, so every gateway sees every
+    # end. Unset: the run's only gateway.
+    gateway_id: str = ""
 
 
 def served_dtype(requested: str, model_dir: Path) -> str:
@@ -397,7 +401,8 @@ class RolloutGatewayService(Service):
             server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
             self._servers.append(server)
             self.spawn(server.serve(), name="http")
-        self.on(["execution.started", "execution.finished", "execution.timed_out"], self.handle)
+        self.on(["execution.started", "execution.finished", "execution.timed_out"], self.handle,
+                durable=f"{self.name}-{r.gateway_id}" if r.gateway_id else None)
 
     async def handle(self, event: Event) -> None:
         """An execution's start is taken up (its log read, its cell preferred) before its first call; its end

@@ -165,3 +165,26 @@ def test_sigterm_stops_every_service_as_ctrl_c_does(tmp_path: Path, monkeypatch:
     assert result.exit_code == 130, result.output
     assert len(stopped) == 1 and "interrupted" in result.output
     assert signal.getsignal(signal.SIGTERM) == before  # the handler is gone with the run
+
+
+def test_a_run_with_several_gateways_starts_one_process_each_and_tells_the_harness_of_all(tmp_path: Path) -> None:
+    from gyre.config import RunConfig
+    from gyre.processes import service_processes
+    from gyre.run_plan import plan_run
+    from services.harness.service import HarnessSettings
+    from shared.gateways import gateway_urls
+
+    config = RunConfig.model_validate({"scheduling": {"gateways": 3}})
+    env = launcher.run_environment(config, run_id="r", nats_url="nats://x", database_url="postgresql://x",
+                                   model_dir=tmp_path, run_dir=tmp_path, task_ids=["t"], gateway_port=8500,
+                                   more_gateway_ports=[8501, 8502])
+    assert env["GYRE_ROLLOUT_PORT"] == "8500"
+    urls = gateway_urls(env["GYRE_HARNESS_GATEWAY_URL"])
+    assert urls == ["http://127.0.0.1:8500", "http://127.0.0.1:8501", "http://127.0.0.1:8502"]
+    assert HarnessSettings(gateway_url=env["GYRE_HARNESS_GATEWAY_URL"]).gateway_url.count(",") == 2
+    procs = {p.name: p for p in service_processes("python", more_gateway_ports=[8501, 8502])}
+    assert [n for n in procs if n.startswith("gateway")] == ["gateway", "gateway-1", "gateway-2"]
+    assert procs["gateway"].env == {}  # the run's first gateway: the port of the run's environment, no id
+    assert procs["gateway-2"].env == {"GYRE_ROLLOUT_PORT": "8502", "GYRE_ROLLOUT_GATEWAY_ID": "2"}
+    assert procs["gateway-1"].argv == procs["gateway"].argv
+    assert sum("gateway" in p for p in plan_run(config).processes) == 3

@@ -316,3 +316,85 @@ async def test_a_release_or_publication_handled_again_after_its_record_was_lost_
     assert loaded is not None and reloaded is not None and engine.weights_version == 4
     assert [e.data.version for e in reloaded.appends[0].events] == [4]
     assert await service.handle(older) is None  # not news: no word, and no step back
+
+
+async def test_two_gateways_serve_one_run_each_execution_sticking_to_one_and_every_end_reaching_both(
+    infra, model_dir
+) -> None:
+    """Several gateway processes for one run: the harness sticks each execution to one (shared.gateways), each
+    gateway records the calls it serves, an execution that turns up at the other gateway (its own gone) goes on
+    from its log there, and each gateway's own durable consumer sees every end, so a token is revoked on both."""
+    from shared.gateways import gateway_for
+
+    store = await make_store(infra.database_url)
+    prefix = unique("t")
+    settings = Settings(database_url=infra.database_url, nats_url=infra.nats_url, db_schema=store.schema,
+                        subject_prefix=prefix, model_dir=model_dir, run_id="run-two")
+    ports = [_free_port(), _free_port()]
+    gateways = [RolloutGatewayService(settings, RolloutSettings(port=port, token_secret="s3cret", max_model_len=4096,
+                                                                gateway_id=str(i)))
+                for i, port in enumerate(ports)]
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    worker_bus = await Bus.connect(infra.nats_url, prefix=prefix)
+    codec = TokenizerCodec.from_model_dir(model_dir)
+    worker = RolloutWorker(ScriptedEngine(codec, lambda p: f"reply {len(p)}"), worker_id="w", cell_id="cell-w",
+                           capacity=64)
+    server = await WorkerServer(worker, worker_bus, heartbeat_s=0.2).start()
+    for gateway in gateways:
+        await gateway.start()
+    http = httpx2.AsyncClient()
+    try:
+        while not all(g.core.router.directory.live() for g in gateways):
+            await asyncio.sleep(0.05)
+        ids = [f"exec-{i}" for i in range(12)]
+        home = {e: gateway_for(e, urls) for e in ids}
+        assert set(home.values()) == set(urls)  # both gateways serve some
+
+        async def call(execution_id: str, url: str, messages: list[dict]) -> anthropic.types.Message:
+            client = anthropic.AsyncAnthropic(api_key=derive_execution_token(b"s3cret", execution_id), base_url=url,
+                                              max_retries=0, http_client=http)
+            for _ in range(50):  # uvicorn binds shortly after start()
+                try:
+                    return await client.messages.create(model="gyre-tiny", max_tokens=16, messages=messages)
+                except anthropic.APIConnectionError:
+                    await asyncio.sleep(0.1)
+            raise AssertionError(f"{url} never answered")
+
+        talks = {e: [{"role": "user", "content": f"task of {e}"}] for e in ids}
+        for _ in range(2):
+            for e in ids:
+                answer = await call(e, home[e], talks[e])
+                talks[e] += [{"role": "assistant", "content": answer.content[0].text},
+                             {"role": "user", "content": "go on"}]
+        for e in ids:
+            serving = [g for g, url in zip(gateways, urls, strict=True) if e in g.core.executions]
+            assert [urls[gateways.index(g)] for g in serving] == [home[e]]  # sticky: one gateway holds it
+        # exec-0's gateway is gone for it: its next call at the other one goes on from the log (third call,
+        # continuing its chain), not from nothing.
+        other = next(u for u in urls if u != home["exec-0"])
+        await call("exec-0", other, talks["exec-0"])
+        stored = [s.event.data for s in await store.read_stream("execution-exec-0")]
+        calls = [d for d in stored if isinstance(d, CallCompleted)]
+        assert [c.call_index for c in calls] == [0, 1, 2] and calls[2].branch_hint == "continuation"
+        # The end of every execution reaches both gateways (a durable consumer each): revoked everywhere.
+        for e in ids:
+            end = new_event(ExecutionFinished(execution_id=e, elapsed_s=1.0, calls=2), run_id="run-two",
+                            stream_id=f"execution-{e}", version=10, occurred_at=datetime.now(UTC))
+            await gateways[0].bus.publish(end)
+        for _ in range(100):
+            if all(g.core.tokens.revoked(e) for g in gateways for e in ids):
+                break
+            await asyncio.sleep(0.05)
+        assert all(g.core.tokens.revoked(e) for g in gateways for e in ids)
+        for url in urls:
+            with pytest.raises(anthropic.AuthenticationError):
+                await call("exec-1", url, talks["exec-1"])
+    finally:
+        await http.aclose()
+        for gateway in gateways:
+            gateway.stop_event.set()
+            await gateway.stop()
+        await server.stop()
+        await worker_bus.delete_streams()
+        await worker_bus.close()
+        await drop_store(store)
