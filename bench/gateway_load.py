@@ -20,6 +20,10 @@ second the gateway process used); `steady`, calls arriving at
 `--rate` per second (Poisson, each on a random live session not already in a call), whose latency as the agent
 sees it is `p50_added_ms` / `p99_added_ms`: all of it is the gateway's (HTTP, tokenizing, routing over NATS,
 recording), as the engine's own time is zero; `p99_over_idle_p50` compares it with the baseline.
+
+The gateway runs on a core of its own (`--no-pin`: every process on every core); each run uses a database schema
+and a subject prefix of its own and drops them, and `recorded_calls == answered_calls` checks that every answered
+call is in the log. `--profile PATH` samples the gateway through the saturated phase with py-spy, where installed.
 """
 
 from __future__ import annotations
@@ -216,14 +220,21 @@ def _profile(pid: int, out: str, seconds: float) -> subprocess.Popen[bytes]:
                              "-o", out, "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def _recorded_calls(database_url: str, run_id: str) -> int:
+def _recorded_calls(database_url: str, schema: str, run_id: str) -> int:
     """The `call.completed` events the run's log holds (every answered call must have one)."""
     import psycopg
 
     with psycopg.connect(database_url) as conn:
-        row = conn.execute("SELECT count(*) FROM events WHERE run_id = %s AND type = 'call.completed'",
-                           (run_id,)).fetchone()
+        row = conn.execute(f'SELECT count(*) FROM "{schema}".events WHERE run_id = %s AND type = %s',
+                           (run_id, "call.completed")).fetchone()
     return int(row[0]) if row else 0
+
+
+def _drop_schema(database_url: str, schema: str) -> None:
+    import psycopg
+
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -335,13 +346,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     prefix = f"load{uuid.uuid4().hex[:6]}"
     max_model_len = 1 << 17
     with servers() as srv:
-        run_migrations(srv.database_url, None)
+        # A schema and a subject prefix of its own: nothing of an earlier run is read, and nothing is left.
+        schema = prefix
+        run_migrations(srv.database_url, schema)
         bus = await Bus.connect(srv.nats_url, prefix=prefix)
         await bus.ensure_streams()
-        await bus.close()
         port = free_port()
         env = {**os.environ, "GYRE_NATS_URL": srv.nats_url, "GYRE_DATABASE_URL": srv.database_url,
-               "GYRE_RUN_ID": run_id, "GYRE_SUBJECT_PREFIX": prefix, "GYRE_MODEL_DIR": str(model_dir),
+               "GYRE_RUN_ID": run_id, "GYRE_SUBJECT_PREFIX": prefix, "GYRE_DB_SCHEMA": schema,
+               "GYRE_MODEL_DIR": str(model_dir),
                "GYRE_STATE_DIR": str(work / "state"), "GYRE_ROLLOUT_TOKEN_SECRET": secret,
                "GYRE_ROLLOUT_PORT": str(port), "GYRE_ROLLOUT_MAX_MODEL_LEN": str(max_model_len),
                "GYRE_ROLLOUT_MODEL_NAME": "gyre-tiny", "GYRE_LOG_LEVEL": args.log_level,
@@ -362,6 +375,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             if line.strip() != b"ready":
                 raise RuntimeError("the stand-in workers did not start")
             await _wait_healthy(base_url, args.workers, gateway)
+            if args.pin and (cores := sorted(os.sched_getaffinity(0))) and len(cores) > 1:
+                # The gateway on a core of its own, the agents and the stand-in workers on the rest (NATS and
+                # Postgres go where the system puts them): its CPU per call is not its neighbours'.
+                os.sched_setaffinity(gateway.pid, {cores[-1]})
+                for pid in (os.getpid(), workers.pid):
+                    os.sched_setaffinity(pid, set(cores[:-1]))
             sessions = []
             for i in range(args.sessions):
                 execution_id = f"load-{i:05d}"
@@ -402,7 +421,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             steady_cpu = (tree_cpu_s(gateway.pid) or 0.0) - cpu0
             if gateway.poll() is not None:
                 raise RuntimeError(f"the gateway exited with {gateway.returncode} under load")
-            recorded = _recorded_calls(srv.database_url, run_id)
+            recorded = _recorded_calls(srv.database_url, schema, run_id)
             idle_p50 = statistics.median(idle) * 1000
             p99 = _pct(latencies, 0.99) * 1000
             return {
@@ -439,6 +458,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 except subprocess.TimeoutExpired:
                     proc.kill()
             gateway_log.close()
+            await bus.delete_streams()
+            await bus.close()
+            _drop_schema(srv.database_url, schema)
             if args.keep:
                 print(f"kept {work}", file=sys.stderr)
 
@@ -454,6 +476,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32, help="callers in the saturated phase")
     parser.add_argument("--workers", type=int, default=4, help="stand-in workers")
     parser.add_argument("--log-level", default="INFO", help="the gateway's log level (a run's default: info)")
+    parser.add_argument("--no-pin", dest="pin", action="store_false",
+                        help="leave every process on every core (default: the gateway gets the last core alone)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", action="store_true", help="keep the work folder (the gateway's log)")
     parser.add_argument("--profile", metavar="PATH", help="py-spy's folded stacks of the gateway while saturated")
