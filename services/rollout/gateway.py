@@ -76,6 +76,7 @@ def create_app(core: GatewayCore, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTE
             result = await core.complete(execution_id, parsed, api=adapter.api)
         except ApiError as exc:
             if execution_id is None:
+                core.metrics.refused(adapter.api, kind=exc.kind, status=exc.status)
                 log.info("call_refused", api=adapter.api, kind=exc.kind, status=exc.status, error=exc.message)
             else:
                 await core.refuse(execution_id, exc, api=adapter.api)
@@ -85,6 +86,8 @@ def create_app(core: GatewayCore, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTE
             error = ApiError("api_error", f"{type(exc).__name__}: {exc}")
             if execution_id is not None and not isinstance(exc, ClientDisconnect):  # gone: nobody was refused
                 await core.refuse(execution_id, error, api=adapter.api)
+            elif execution_id is None:
+                core.metrics.refused(adapter.api, kind=error.kind, status=error.status)
             return _error(adapter, error)
         created = int(core.clock())
         index = {} if result.call_index is None else {CALL_INDEX_HEADER: str(result.call_index)}
@@ -119,6 +122,11 @@ def create_app(core: GatewayCore, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTE
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": core.model_name, "object": "model", "type": "model",
                                             "display_name": core.model_name, "owned_by": "gyre"}]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus metrics (docs/metrics.md)."""
+        return Response(core.metrics.exposition(), media_type=core.metrics.content_type)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:

@@ -18,6 +18,7 @@ from services.rollout.call_log import Api, CompletedCall
 from services.rollout.codec import TokenizerCodec, reply_message
 from services.rollout.credentials import TokenVerifier
 from services.rollout.errors import ApiError, invalid
+from services.rollout.metrics import GatewayMetrics
 from services.rollout.executions import (
     ExecutionState,
     check_budget,
@@ -61,6 +62,8 @@ class GatewayCore:
         self.timer = timer  # a call's latency
         self.call_ids = call_ids
         self.executions: dict[str, ExecutionState] = {}
+        self.metrics = GatewayMetrics()
+        self.metrics.watch(executions=lambda: len(self.executions), workers=lambda: len(self.router.directory.live()))
         # One call at a time per execution keeps call order, anchors and worker histories consistent.
         self._locks: dict[str, asyncio.Lock] = {}
         self.log = get_logger(component="gateway")
@@ -131,6 +134,7 @@ class GatewayCore:
         """A call of `execution_id` is answered with `exc`: log it and write its `call.refused` first (as a
         reply's record is written before the reply). A failure to write it is logged; the error is still
         answered. After the execution's end nothing is written: its log is closed."""
+        self.metrics.refused(api, kind=exc.kind, status=exc.status)
         level = self.log.warning if exc.status >= 429 else self.log.info  # capacity and server trouble stand out
         level("call_refused", execution_id=execution_id, api=api, kind=exc.kind, status=exc.status, error=exc.message)
         if self.tokens.revoked(execution_id):
@@ -208,9 +212,12 @@ class GatewayCore:
                     self.end_execution(execution_id)
             state.tito.commit(plan, completion=completion, reply=message, codec=self.codec)
             state.answered += 1
+        seconds = self.timer() - started
+        self.metrics.answered(api, seconds=seconds, prompt=prompt_len, cached=min(reply.cached_tokens, prompt_len),
+                              completion=len(completion))
         self.log.info("call_completed", execution_id=execution_id, call_id=call_id, cell_id=reply.cell_id,
                       prompt_tokens=prompt_len, completion_tokens=len(completion),
-                      policy_version=reply.policy_version, latency_s=round(self.timer() - started, 3))
+                      policy_version=reply.policy_version, latency_s=round(seconds, 3))
         return Completion(
             call_id=call_id,
             model=parsed.model,

@@ -598,3 +598,32 @@ async def test_a_call_generating_when_its_execution_ends_leaves_nothing_behind()
     assert len(stack.recorder.calls("exec-late")) == 1
     assert "exec-late" not in stack.core.executions and stack.core.router.worker_of("exec-late") is None
     assert stack.recorder._lines == {} and stack.recorder._ending == {}
+
+
+async def test_metrics_count_answered_and_refused_calls_tokens_and_live_executions(stack) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client = stack.anthropic(stack.token("exec-m"))
+    for text in ("one", "two"):
+        await client.messages.create(model="tiny", max_tokens=200, messages=[{"role": "user", "content": text}],
+                                     tools=[BASH])
+    with pytest.raises(anthropic.BadRequestError):
+        await client.messages.create(model="tiny", max_tokens=10, messages=[])
+    with pytest.raises(anthropic.AuthenticationError):
+        await stack.anthropic("not-a-token").messages.create(model="tiny", max_tokens=10,
+                                                           messages=[{"role": "user", "content": "x"}])
+    async with stack.http() as http:
+        r = await http.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(r.text) for s in family.samples}
+    calls = stack.recorder.calls("exec-m")
+    assert samples[("gyre_gateway_calls_total", (("api", "anthropic"),))] == 2
+    assert samples[("gyre_gateway_call_seconds_count", (("api", "anthropic"),))] == 2
+    assert samples[("gyre_gateway_prompt_tokens_total", ())] == sum(c.prompt_tokens for c in calls)
+    assert samples[("gyre_gateway_completion_tokens_total", ())] == sum(c.completion_tokens for c in calls)
+    refused = {k[1]: v for k, v in samples.items() if k[0] == "gyre_gateway_refusals_total"}
+    assert refused == {(("api", "anthropic"), ("kind", "invalid_request_error"), ("status", "400")): 1,
+                       (("api", "anthropic"), ("kind", "authentication_error"), ("status", "401")): 1}
+    assert samples[("gyre_gateway_live_executions", ())] == 1
+    assert samples[("gyre_gateway_live_workers", ())] == 1

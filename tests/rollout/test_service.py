@@ -103,6 +103,10 @@ async def test_gateway_service_takes_up_started_executions_records_calls_and_ref
         assert [type(s.event.data) for s in stored] == [ExecutionStarted, CallCompleted, CallRefused]
         assert stored[1].event.data.cell_id == "cell-w"
         assert stored[2].event.data.status == 400 and stored[2].event.data.answered == 1
+        async with httpx2.AsyncClient() as http:  # what Prometheus scrapes, on the gateway's own port
+            scraped = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
+        assert 'gyre_gateway_calls_total{api="anthropic"} 1.0' in scraped
+        assert 'gyre_gateway_refusals_total{api="anthropic",kind="invalid_request_error",status="400"} 1.0' in scraped
         # execution.finished (as the relay would publish it) revokes the token and ends the worker's session.
         finished = new_event(ExecutionFinished(execution_id="exec-svc", elapsed_s=1.0, calls=1), run_id="run-svc",
                              stream_id="execution-exec-svc", version=4, occurred_at=datetime.now(UTC))
