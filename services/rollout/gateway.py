@@ -8,6 +8,7 @@ written its `call.refused`.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -25,6 +26,7 @@ from shared.calls import CALL_INDEX_HEADER
 from shared.logging import get_logger
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+DEFAULT_BODY_TIMEOUT_S = 60.0  # a body that has not arrived by then is refused (408)
 
 
 def _token(request: Request) -> str | None:
@@ -37,7 +39,7 @@ def _token(request: Request) -> str | None:
     return None
 
 
-async def _read_json(request: Request, max_body_bytes: int) -> Any:
+async def _read_body(request: Request, max_body_bytes: int) -> bytearray:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
         raise ApiError("request_too_large", f"request body of {declared} bytes exceeds the {max_body_bytes}-byte limit")
@@ -46,6 +48,18 @@ async def _read_json(request: Request, max_body_bytes: int) -> Any:
         body.extend(chunk)
         if len(body) > max_body_bytes:
             raise ApiError("request_too_large", f"request body exceeds the {max_body_bytes}-byte limit")
+    return body
+
+
+async def _read_json(request: Request, max_body_bytes: int, body_timeout_s: float) -> Any:
+    """The request's JSON body: at most `max_body_bytes` (413), arrived within `body_timeout_s` (408: a client
+    that stalls mid-body holds nothing of the gateway's past that), nested at most `MAX_JSON_DEPTH` deep."""
+    try:
+        async with asyncio.timeout(body_timeout_s):
+            body = await _read_body(request, max_body_bytes)
+    except TimeoutError as exc:
+        raise ApiError("invalid_request_error", f"request body did not arrive within {body_timeout_s:g} s",
+                       status=408) from exc
     try:
         parsed = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -61,7 +75,8 @@ def _error(adapter: ApiAdapter, exc: ApiError) -> JSONResponse:
     return JSONResponse(adapter.error_body(exc), status_code=exc.status, headers=exc.headers())
 
 
-def create_app(core: GatewayCore, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+def create_app(core: GatewayCore, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
     app = FastAPI(title="Gyre rollout gateway", docs_url=None, redoc_url=None, openapi_url=None)
     log = get_logger(component="gateway_http")
 
@@ -71,7 +86,7 @@ def create_app(core: GatewayCore, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTE
         execution_id: str | None = None
         try:
             execution_id = core.execution_of(_token(request))
-            body = await _read_json(request, max_body_bytes)
+            body = await _read_json(request, max_body_bytes, body_timeout_s)
             parsed = adapter.parse(body)
             result = await core.complete(execution_id, parsed, api=adapter.api)
         except ApiError as exc:
@@ -110,7 +125,7 @@ def create_app(core: GatewayCore, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTE
         """Counts a prompt's tokens; no model call, so nothing is recorded either way."""
         try:
             execution_id = core.execution_of(_token(request))
-            body = await _read_json(request, max_body_bytes)
+            body = await _read_json(request, max_body_bytes, body_timeout_s)
             return JSONResponse({"input_tokens": core.count_tokens(execution_id, parse_request(body, count_only=True))})
         except ApiError as exc:
             return _error(ANTHROPIC, exc)
@@ -135,4 +150,4 @@ def create_app(core: GatewayCore, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTE
     return app
 
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "create_app"]
+__all__ = ["DEFAULT_BODY_TIMEOUT_S", "DEFAULT_MAX_BODY_BYTES", "create_app"]

@@ -105,6 +105,7 @@ class RolloutSettings(BaseSettings):
     # The run's execution-token secret (shared.execution_tokens), shared with the harness: required by the gateway.
     token_secret: str = ""
     max_body_bytes: int = 32 * 1024 * 1024
+    body_timeout_s: float = Field(default=60.0, gt=0)  # a request body that has not arrived by then: 408
     # This gateway's name among the run's gateways (a run may have several; the harness sticks each execution to
     # one): each reads executions' starts and ends on a durable consumer of its own, so every gateway sees every
     # end. Unset: the run's only gateway.
@@ -391,7 +392,7 @@ class RolloutGatewayService(Service):
             model_name=r.model_name,
             max_reply_tokens=r.max_reply_tokens,
         )
-        app = create_app(self.core, max_body_bytes=r.max_body_bytes)
+        app = create_app(self.core, max_body_bytes=r.max_body_bytes, body_timeout_s=r.body_timeout_s)
         configs = [uvicorn.Config(app, host=r.host, port=r.port, log_level="warning", lifespan="off")]
         if r.uds:
             configs.append(uvicorn.Config(app, uds=r.uds, log_level="warning", lifespan="off"))

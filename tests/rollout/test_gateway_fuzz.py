@@ -365,30 +365,31 @@ def test_oversized_bodies_are_413_declared_or_streamed() -> None:
 
 
 async def test_slow_and_vanishing_clients_hold_up_no_one(unused_tcp_port_factory: Callable[[], int]) -> None:
-    """A real server: a client that sends half a body and stalls, and one that disconnects mid-body, while another
-    execution's calls are answered; neither of them leaves anything in the log."""
+    """A real server: clients that send half a body and stall, and one that disconnects mid-body, while other
+    executions' calls are answered. A stalled body is refused with a 408 once the body timeout passes (the
+    refusal in its execution's log, as any); the one that vanished leaves nothing."""
     import uvicorn
 
     stack = build_stack([ScriptedEngine(CODEC)], CODEC)
     port = unused_tcp_port_factory()
-    server = uvicorn.Server(uvicorn.Config(create_app(stack.core), host="127.0.0.1", port=port, log_level="error",
-                                           lifespan="off"))
+    server = uvicorn.Server(uvicorn.Config(create_app(stack.core, body_timeout_s=1.0), host="127.0.0.1", port=port,
+                                           log_level="error", lifespan="off"))
     serving = asyncio.create_task(server.serve())
     while not server.started:
         await asyncio.sleep(0.01)
     body = _json_bytes({"model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]})
 
-    async def partial(execution_id: str) -> asyncio.StreamWriter:
+    async def partial(execution_id: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"POST /v1/messages HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                      + f"x-api-key: {stack.token(execution_id)}\r\ncontent-length: {len(body)}\r\n\r\n".encode()
                      + body[: len(body) // 2])
         await writer.drain()
-        return writer
+        return reader, writer
 
     try:
         stalled = [await partial(f"slow-{i}") for i in range(20)]
-        vanishing = await partial("gone")
+        _, vanishing = await partial("gone")
         vanishing.transport.abort()
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
             for i in range(3):
@@ -396,12 +397,14 @@ async def test_slow_and_vanishing_clients_hold_up_no_one(unused_tcp_port_factory
                                       headers={"x-api-key": stack.token(f"fast-{i}")})
                 assert r.status_code == 200, r.text
             assert (await client.get("/healthz")).status_code == 200
-        for writer in stalled:
-            with contextlib.suppress(OSError):
-                writer.transport.abort()
-        await asyncio.sleep(0.2)
+        for reader, writer in stalled:
+            head = await asyncio.wait_for(reader.readline(), timeout=10)
+            assert head.startswith(b"HTTP/1.1 408"), head
+            writer.transport.abort()
         assert [c.execution_id for c in stack.recorder.calls()] == ["fast-0", "fast-1", "fast-2"]
-        assert stack.recorder.refusals() == []
+        refused = stack.recorder.refusals()
+        assert sorted(r.execution_id for r in refused) == sorted(f"slow-{i}" for i in range(20))
+        assert {(r.status, r.infra) for r in refused} == {(408, False)}
     finally:
         server.should_exit = True
         await serving
