@@ -32,7 +32,7 @@ task_yamls = (
 )
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(content=task_yamls, tests=st.sampled_from(["run-tests.sh", "tests/test_outputs.py", None]),
        workspace=st.sampled_from(["dir", "file", None]), dockerfile=st.none() | st.binary(max_size=80))
 def test_any_task_folder_loads_or_is_named_in_one_line(content: bytes, tests: str | None, workspace: str | None,
