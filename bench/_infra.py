@@ -43,6 +43,12 @@ def servers() -> Iterator[Servers]:
         shutil.rmtree(state, ignore_errors=True)
 
 
+def rss_bytes(pid: int) -> int:
+    """A process's resident memory now (Linux)."""
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def tree_cpu_s(root: int) -> float | None:
     """CPU seconds (user + system) used so far by `root` and its descendants, live and reaped; None where
     /proc cannot tell (not Linux, or the process is gone)."""

@@ -22,11 +22,16 @@ import os
 import random
 import statistics
 import tempfile
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._infra import rss_bytes  # noqa: E402
 
 WORDS = ("alpha", "beta", "gamma", "delta", "file", "line", "error", "test", "def", "return", "import", "class")
 
@@ -59,12 +64,6 @@ def _held_mb(core: Any, execution_id: str) -> tuple[float, float]:
     held = sum(o.nbytes for o in owners.values())
     copies = sum(v.nbytes for v in [*anchors, *sequences, *mirrors])
     return round(held / 2**20, 3), round(copies / 2**20, 3)
-
-
-def _rss_bytes() -> int:
-    """This process's resident memory now (Linux)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -133,7 +132,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 points.append({"turn": turn + 1 - args.repeats, "prompt_tokens": prompt_tokens,
                                "body_mb": round(len(json.dumps(messages)) / 1e6, 2),
                                "gateway_ms": round(1000 * statistics.median(spent), 1),
-                               "held_mb": held_mb, "as_copies_mb": as_copies_mb, "rss_mb": round(_rss_bytes() / 2**20),
+                               "held_mb": held_mb, "as_copies_mb": as_copies_mb,
+                               "rss_mb": round(rss_bytes(os.getpid()) / 2**20),
                                "render_and_tokenize_ms": round(1000 * statistics.median(naive), 1)})
                 spent = []
                 print(json.dumps(points[-1]), flush=True)

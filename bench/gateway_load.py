@@ -47,7 +47,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._infra import servers, tree_cpu_s  # noqa: E402
+from bench._infra import rss_bytes, servers, tree_cpu_s  # noqa: E402
 
 WORDS = ("alpha", "beta", "gamma", "delta", "file", "line", "error", "test", "def", "return", "import", "class",
          "build", "passed", "failed", "src/main.py", "assert", "value", "None", "self")
@@ -203,14 +203,6 @@ class Agents:
 
     async def close(self) -> None:
         await self.client.aclose()
-
-
-def _rss_kb(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no VmRSS for process {pid}")
 
 
 def _profile(pid: int, out: str, seconds: float) -> subprocess.Popen[bytes]:
@@ -397,12 +389,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             # Warm up (the first calls of a fresh process open its database connections, compile the template).
             for s in sessions[:20]:
                 await agents.call(s)
-            rss_before = _rss_kb(gateway.pid)
+            rss_before = rss_bytes(gateway.pid) // 1024
             t0 = time.perf_counter()
             opened = await _open_all(agents, args.concurrency)
             open_s = time.perf_counter() - t0
             live = sum(1 for s in sessions if s.calls > 0)
-            rss_after = _rss_kb(gateway.pid)
+            rss_after = rss_bytes(gateway.pid) // 1024
             print(f"opened {live} sessions in {open_s:.1f} s; gateway RSS {rss_before // 1024} → "
                   f"{rss_after // 1024} MB", file=sys.stderr)
 

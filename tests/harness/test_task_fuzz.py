@@ -14,13 +14,11 @@ from typer.testing import CliRunner
 
 from services.harness.cli import harness_app
 from services.harness.tasks import TaskFormatError, load_task, scan_tasks
+from tests.hostile import json_values
 
 VALID = {"instruction": "Make the tests pass.", "max_agent_timeout_sec": 60, "parser_name": "pytest",
          "tags": ["x"], "workdir": "/app"}
-yaml_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=10), inner, max_size=3),
-    max_leaves=8)
+yaml_values = json_values(text_size=20, max_leaves=8)
 task_yamls = (
     st.binary(max_size=200)  # anything, not UTF-8 included
     | st.text(max_size=200).map(str.encode)  # any text (mostly not YAML mappings)

@@ -23,6 +23,7 @@ from shared.calls import call_record
 from shared.chat import format_tool_call
 from shared.events import CallCompleted, CallRefused
 from shared.execution_tokens import derive_execution_token
+from tests.hostile import DELETE, json_values, replaced
 from tests.rollout.fakes import CharCodec, ScriptedEngine, Stack, build_stack
 
 CODEC = CharCodec()
@@ -70,18 +71,12 @@ FIELD_NAMES = ["model", "max_tokens", "max_completion_tokens", "messages", "syst
                "temperature", "top_p", "top_k", "seed", "stop", "stop_sequences", "stream", "n", "logprobs",
                "top_logprobs", "response_format", "metadata", "thinking", "user", "parallel_tool_calls"]
 
-scalars = (st.none() | st.booleans() | st.integers() | st.integers(min_value=-(2**80), max_value=2**80)
-           | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=30)
-           | st.sampled_from(["", "user", "assistant", "tool", "system", "text", "image", "tool_use", "object",
-                              "function", "auto", "any", "none", "required", "bash", "\x00", "\ud7ff"]))
-json_values = st.recursive(
-    scalars,
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from(
-        ["type", "role", "content", "text", "name", "id", "input", "arguments", "function", "properties",
-         "required", "source", "tool_use_id", "tool_call_id", "tool_calls", "data", "url", "image_url"])
-        | st.text(max_size=6), inner, max_size=4),
-    max_leaves=12,
-)
+request_values = json_values(
+    words=["", "user", "assistant", "tool", "system", "text", "image", "tool_use", "object", "function", "auto",
+           "any", "none", "required", "bash", "\x00", "\ud7ff"],
+    keys=["type", "role", "content", "text", "name", "id", "input", "arguments", "function", "properties",
+          "required", "source", "tool_use_id", "tool_call_id", "tool_calls", "data", "url", "image_url"],
+    text_size=30, width=4, max_leaves=12)
 
 
 def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
@@ -93,18 +88,6 @@ def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
         for i, item in enumerate(value):
             out += _paths(item, (*prefix, i))
     return out
-
-
-def _mutated(base: dict[str, Any], path: tuple[Any, ...], value: Any, delete: bool) -> dict[str, Any]:
-    body = json.loads(json.dumps(base))
-    holder = body
-    for step in path[:-1]:
-        holder = holder[step]
-    if delete:
-        del holder[path[-1]]
-    else:
-        holder[path[-1]] = value
-    return body
 
 
 def _json_bytes(body: Any) -> bytes:
@@ -222,9 +205,10 @@ def test_mutated_requests_are_answered_or_refused_in_the_apis_shape(harness: Har
         body = base
         for _ in range(data.draw(st.integers(1, 3), label="mutations")):
             path = data.draw(st.sampled_from(_paths(body) or paths[api]), label="path")
-            body = _mutated(body, path, data.draw(json_values, label="value"), data.draw(st.booleans(), label="delete"))
+            value = data.draw(request_values, label="value")
+            body = replaced(body, path, DELETE if data.draw(st.booleans(), label="delete") else value)
         if data.draw(st.booleans(), label="extra field"):
-            body[data.draw(st.sampled_from(FIELD_NAMES))] = data.draw(json_values, label="extra")
+            body[data.draw(st.sampled_from(FIELD_NAMES))] = data.draw(request_values, label="extra")
         harness.run(harness.hostile(api, _json_bytes(body), token=token, names_live=True))
 
     check()
@@ -236,7 +220,7 @@ def test_bodies_that_are_not_requests_are_refused(harness: Harness) -> None:
     token = harness.stack.token("hostile")
     bodies = (
         st.binary(max_size=300)  # anything, bad UTF-8 included
-        | json_values.map(_json_bytes)  # any JSON at all
+        | request_values.map(_json_bytes)  # any JSON at all
         | st.sampled_from([ANTHROPIC_BASE, OPENAI_BASE]).map(lambda b: _json_bytes(b)[: len(_json_bytes(b)) // 2])
         | st.sampled_from([ANTHROPIC_BASE, OPENAI_BASE]).map(  # bad UTF-8 inside a string
             lambda b: _json_bytes(b).replace(b'"tiny"', b'"ti\xffny"'))
@@ -263,7 +247,7 @@ def test_deep_huge_and_not_a_schema_are_refused_not_crashed(harness: Harness) ->
         {"type": "object", "required": "a"}, {"type": "object", "required": [5]}, {"type": ["object"]},
         {"type": "object", "properties": {"a": {"type": "object", "properties": []}}}, [], "object", None,
         {"$ref": "#/definitions/x"}, {"type": "object", "properties": {"a": {"enum": 7}}},
-    ]) | json_values
+    ]) | request_values
 
     @FUZZ
     @given(api=st.sampled_from(sorted(BASES)), depth=st.integers(20, 3000),

@@ -27,6 +27,7 @@ from services.rollout.transport import (
 )
 from services.rollout.worker import RolloutWorker
 from shared.worker_status import worker_subject
+from tests.hostile import json_values, replaced
 from tests.rollout.fakes import CharCodec, ScriptedEngine
 
 CODEC = CharCodec()
@@ -113,20 +114,11 @@ async def test_an_announced_end_reaches_every_worker_over_nats(bus) -> None:
 _GOOD = GenerateRequest(request_id="r", execution_id="hostile", base_len=0,
                         delta=TokenPayload.pack(np.arange(100, 120, dtype=np.int32))[0],
                         sampling=SamplingSpec(max_tokens=8)).model_dump(mode="json")
-_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=True)
-    | st.text(max_size=12),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
-    max_leaves=6)
+_values = json_values()
 
 
 def _generate_mutant(path: tuple[str, ...], value: object) -> bytes:
-    body = json.loads(json.dumps(_GOOD))
-    holder = body
-    for step in path[:-1]:
-        holder = holder[step]
-    holder[path[-1]] = value
-    return json.dumps(body, allow_nan=True).encode()
+    return json.dumps(replaced(_GOOD, path, value), allow_nan=True).encode()
 
 
 _bodies = (

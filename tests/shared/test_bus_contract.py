@@ -24,6 +24,7 @@ from shared.bus import (
 )
 from shared.events import Event, EventError, parse_event
 from tests.conftest import drop_bus, make_bus
+from tests.hostile import DELETE, json_values, replaced
 from tests.shared.helpers import assigned
 
 FAST = ConsumerOptions(ack_wait_s=1.0, max_deliver=3, backoff_s=(0.1,), batch=50, fetch_timeout_s=0.2)
@@ -371,30 +372,13 @@ async def test_a_read_whose_chunks_are_gone_fails_instead_of_waiting_for_ever(nb
         await nbus.get_object(digest, stall_s=1.0)
 
 
-def _mutated_event(good: Event, path: tuple[str, ...], value: object) -> bytes:
-    body = json.loads(good.to_json())
-    holder = body
-    for step in path[:-1]:
-        holder = holder[step]
-    if value is _DELETE:
-        holder.pop(path[-1], None)
-    else:
-        holder[path[-1]] = value
-    return json.dumps(body, allow_nan=True).encode()
-
-
-_DELETE = object()
 _EVENT_PATHS = [("type",), ("schema_version",), ("data",), ("stream_id",), ("version",), ("event_id",),
                 ("occurred_at",), ("run_id",), ("data", "cell_id"), ("data", "role"), ("data", "policy")]
-_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=12)
-    | st.sampled_from(["cell.released", "cell.exploded", "rollout", "train", 0, -1, 2**70]),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
-    max_leaves=6)
+_values = json_values(words=["cell.released", "cell.exploded", "rollout", "train", 0, -1])
 _payloads = (
     st.binary(max_size=120)
     | _values.map(lambda v: json.dumps(v, allow_nan=True).encode())
-    | st.builds(lambda p, v: (p, v), st.sampled_from(_EVENT_PATHS), _values | st.just(_DELETE))
+    | st.builds(lambda p, v: (p, v), st.sampled_from(_EVENT_PATHS), _values | st.just(DELETE))
     | st.integers(200, 3000).map(lambda n: b'{"type": "cell.assigned", "data": ' + b"[" * n + b"]" * n + b"}")
 )
 
@@ -417,7 +401,8 @@ async def _dead_letter_or_deliver(nbus: Bus, payloads: list) -> None:
     durable = f"fuzz-{uuid.uuid4().hex[:8]}"
     sent: list[bytes] = []
     for i, payload in enumerate(payloads):
-        raw = _mutated_event(assigned(), *payload) if isinstance(payload, tuple) else payload
+        raw = (json.dumps(replaced(json.loads(assigned().to_json()), *payload), allow_nan=True).encode()
+               if isinstance(payload, tuple) else payload)
         await nbus.publish_raw(nbus.subject("cell.assigned"), raw, msg_id=f"{durable}-{i}")
         sent.append(raw)
     last = assigned("cell-last")
