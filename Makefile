@@ -17,7 +17,7 @@ CLAUDE_CODE_VERSION := 2.1.197
 CLAUDE_STAMP := $(CLAUDE_CODE_DIR)/.installed-$(CLAUDE_CODE_VERSION)
 export GYRE_CLAUDE_CODE_DIR ?= $(CLAUDE_CODE_DIR)
 
-.PHONY: setup check test test-fast test-slow demo bench claude-code clean
+.PHONY: setup check test test-fast test-slow demo bench claude-code docker clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,14 +38,20 @@ check: setup
 	$(BIN)/mypy
 
 # The whole suite, slow end-to-end tests included.
-test: check $(CLAUDE_STAMP)
+test: check $(CLAUDE_STAMP) docker
 	$(BIN)/pytest -q -ra
 
-test-fast: check
+test-fast: check docker
 	$(BIN)/pytest -q -ra -m "not slow"
 
-test-slow: setup
+test-slow: setup docker
 	$(BIN)/pytest -q -ra -m slow
+
+# The Docker engine and the local base image the Docker sandbox backend runs task images on (installed and
+# started as root when missing; the base image built once with debootstrap). Without them the Docker tests
+# skip, saying so.
+docker:
+	@./deploy/docker-engine.sh || echo "warning: no Docker engine or base image; the Docker sandbox tests will say so"
 
 demo: setup
 	$(BIN)/python -m gyre.demo

@@ -16,7 +16,9 @@ from services.harness.call_account import CallAccount, call_account
 from services.harness.execution import BuiltinHarness, Harness, run_execution
 from services.harness.external_harness import ExternalHarness, GatewayAccess, claude_code
 from services.harness.outcomes import AgentStopped
+from services.harness.sandbox_spec import SandboxError
 from services.harness.sandboxes import BACKEND_NAMES
+from services.harness.task_images import BaseImageMap, TaskImageError
 from services.harness.taskgen import write_family
 from services.harness.taskrun import check_with_solution
 from services.harness.tasks import Task, TaskFormatError, load_task, scan_tasks
@@ -33,6 +35,19 @@ def _backend(value: str) -> str:
 
 
 Backend = Annotated[str, typer.Option(help="Sandbox backend: auto, bwrap, unshare or docker.", callback=_backend)]
+
+
+def _base_images(value: str) -> str:
+    try:
+        BaseImageMap.parse(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    return value
+
+
+BaseImages = Annotated[str, typer.Option(
+    envvar="GYRE_HARNESS_BASE_IMAGES", callback=_base_images,
+    help="Docker backend: where each FROM comes from, ref=image,...,*=default (default: *=gyre-base:bookworm).")]
 
 
 def _load(task_dir: Path) -> Task:
@@ -68,26 +83,41 @@ def run_solution_cmd(
     task_dir: Path,
     backend: Backend = "auto",
     no_solution: Annotated[bool, typer.Option("--no-solution", help="Grade the untouched workspace instead.")] = False,
+    base_images: BaseImages = "",
 ) -> None:
     """Run a task's reference solution in a fresh sandbox and grade it (exit 0 when resolved)."""
     task = _load(task_dir)
     with tempfile.TemporaryDirectory(prefix="gyre-solution-") as tmp:
-        graded = check_with_solution(task, Path(tmp) / "sandbox", backend=backend, apply_solution=not no_solution)
+        try:
+            graded = check_with_solution(task, Path(tmp) / "sandbox", backend=backend, apply_solution=not no_solution,
+                                         base_images=BaseImageMap.parse(base_images))
+        except (TaskImageError, SandboxError) as exc:
+            typer.echo(f"cannot run {task.task_id}: {exc}", err=True)
+            raise typer.Exit(2) from exc
     typer.echo(json.dumps({"task_id": task.task_id, "score": graded.score, "resolved": graded.resolved, "source": graded.source, "detail": graded.detail}))
     raise typer.Exit(0 if graded.resolved else 1)
 
 
 @harness_app.command("check-all")
-def check_all(tasks_dir: Path = Path("tasks"), backend: Backend = "auto") -> None:
-    """Every task must score 1.0 with its solution and < 1.0 untouched (the acceptance check)."""
+def check_all(tasks_dir: Path = Path("tasks"), backend: Backend = "auto", base_images: BaseImages = "") -> None:
+    """Every task must score 1.0 with its solution and < 1.0 untouched (the acceptance check); a task that cannot
+    be loaded or run is reported with its reason (BAD) and the rest are checked."""
     tasks, malformed = scan_tasks(tasks_dir)
     for name, problem in malformed.items():
         typer.echo(f"BAD  {name:28s} {problem}")
     failures = len(malformed)
+    images = BaseImageMap.parse(base_images)
     with tempfile.TemporaryDirectory(prefix="gyre-check-") as tmp:
         for task in tasks:
-            solved = check_with_solution(task, Path(tmp) / f"{task.task_id}-solved", backend=backend)
-            untouched = check_with_solution(task, Path(tmp) / f"{task.task_id}-untouched", backend=backend, apply_solution=False)
+            try:
+                solved = check_with_solution(task, Path(tmp) / f"{task.task_id}-solved", backend=backend,
+                                             base_images=images)
+                untouched = check_with_solution(task, Path(tmp) / f"{task.task_id}-untouched", backend=backend,
+                                                apply_solution=False, base_images=images)
+            except (TaskImageError, SandboxError) as exc:
+                failures += 1
+                typer.echo(f"BAD  {task.task_id:28s} {' '.join(str(exc).split())}")
+                continue
             ok = solved.score == 1.0 and untouched.score < 1.0
             failures += not ok
             typer.echo(f"{'ok  ' if ok else 'FAIL'} {task.task_id:28s} solution={solved.score:.2f} untouched={untouched.score:.2f}")

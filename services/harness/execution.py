@@ -24,8 +24,8 @@ from services.harness.external_harness import ExternalHarness, ExternalOutcome, 
 from services.harness.grading import GradeResult
 from services.harness.outcomes import AgentStopped, agent_stopped, external_stopped
 from services.harness.sandbox_spec import SandboxSpec
-from services.harness.sandboxes import make_sandbox
-from services.harness.taskrun import prepare, run_tests, sandbox_spec_for
+from services.harness.task_images import BaseImageMap
+from services.harness.taskrun import open_sandbox, prepare, run_tests, sandbox_spec_for
 from services.harness.tasks import Task
 
 CALL_ACCOUNT_WAIT_S = 60.0  # how long an external execution's end waits for the account of its calls
@@ -95,6 +95,7 @@ def run_execution(
     backend: str = "auto",
     spec: SandboxSpec | None = None,
     observer: ExecutionObserver | None = None,
+    base_images: BaseImageMap | None = None,
 ) -> ExecutionResult:
     """Run one execution; on a spent budget the agent stops and the work it left is graded all the same."""
     observer = observer or NullObserver()
@@ -103,7 +104,8 @@ def run_execution(
         wall = min(wall, budget.wall_clock_s)
     budget = Budget(wall_clock_s=wall, max_calls=budget.max_calls if budget else None)
     external = isinstance(harness, ExternalHarness)
-    sandbox = make_sandbox(state_dir, _spec(task, harness, spec), backend=backend, gateway_url=gateway.base_url if external else None)
+    sandbox = open_sandbox(task, state_dir, backend=backend, spec=_spec(task, harness, spec),
+                           gateway_url=gateway.base_url if external else None, base_images=base_images)
     try:
         prepare(task, sandbox)
         agent_outcome: AgentOutcome | None = None
@@ -131,11 +133,12 @@ def run_execution(
         sandbox.close()
 
 
-def grade_preserved(task: Task, state_dir: Path, *, backend: str = "auto", spec: SandboxSpec | None = None) -> GradeResult:
+def grade_preserved(task: Task, state_dir: Path, *, backend: str = "auto", spec: SandboxSpec | None = None,
+                    base_images: BaseImageMap | None = None) -> GradeResult:
     """Re-attach to an execution's state folder (e.g. after a crash) and grade the work it holds."""
     if not (Path(state_dir) / "work").is_dir():
         raise FileNotFoundError(f"{state_dir}: expected a sandbox state folder with work/, found none")
-    sandbox = make_sandbox(state_dir, sandbox_spec_for(task, spec), backend=backend)
+    sandbox = open_sandbox(task, state_dir, backend=backend, spec=spec, base_images=base_images)
     try:
         graded, _ = run_tests(task, sandbox)
         return graded

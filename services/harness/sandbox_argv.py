@@ -224,16 +224,21 @@ def docker_run_argv(
     gateway: bool,
     env: Mapping[str, str],
     cwd: str,
+    network: str = "none",
 ) -> list[str]:
-    """`docker run --rm` of `argv` in a fresh container with no network over the sandbox's state folder."""
-    args = ["docker", "run", "--rm", "--name", container, "--network", "none", "--init"]
+    """`docker run --rm` of `argv` in a fresh container over the sandbox's state folder, on `network` (none: no
+    network at all; the sandbox's own network: its task's side services only)."""
+    args = ["docker", "run", "--rm", "--name", container, "--network", network, "--init"]
     for key, value in labels.items():
         args += ["--label", f"{key}={value}"]
     args += ["--user", f"{uid}:{uid}", "--cap-drop", "ALL", "--security-opt", "no-new-privileges", "--read-only"]
     if limits.max_processes is not None:
         args += ["--pids-limit", str(limits.max_processes)]
     if limits.memory_bytes is not None:
-        args += ["--memory", str(limits.memory_bytes)]
+        # RLIMIT_DATA as in the process sandbox (an allocation past it fails: MemoryError, not a kill); the
+        # cgroup's cap at the same size stops what RLIMIT_DATA does not count.
+        args += ["--memory", str(limits.memory_bytes), "--ulimit", f"data={limits.memory_bytes}"]
+    args += ["--shm-size", str(limits.shm_bytes)]
     if limits.cpu_seconds is not None:
         args += ["--ulimit", f"cpu={limits.cpu_seconds}"]
     if limits.file_size_bytes is not None:

@@ -16,6 +16,9 @@ Backend = Literal["bwrap", "unshare", "docker"]
 INSIDE_RELAY_PORT = 8765  # where the relay inside a sandbox listens for the gateway route
 GYRE_RUN_DIR = "/run/gyre"  # where the state folder's .run/ (relay script, gateway socket) appears inside
 HOME_DIR = "/home/agent"
+# The Docker backend's image where a task brings no Dockerfile, and the default its FROM lines map onto: no
+# registry is reachable, so it is built here (deploy/docker-engine.sh: Debian with Python and pytest).
+DEFAULT_BASE_IMAGE = "gyre-base:bookworm"
 # Writable areas of the state folder besides work/ (which appears at the spec's workdir), and where they appear.
 WRITABLE_AREAS: Mapping[str, str] = {"tmp": "/tmp", "home": HOME_DIR}
 
@@ -71,6 +74,29 @@ class SandboxSpec(BaseModel):
     max_output_bytes: int = Field(default=64 * 1024, gt=0)
     # Host uid the sandbox runs as; None takes one from the process-wide pool.
     uid: int | None = None
+
+
+class SideService(BaseModel):
+    """A service a task's compose file runs beside the agent (a database, a server), reachable by its name."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    image: str
+    environment: Mapping[str, str] = Field(default_factory=dict)
+    command: tuple[str, ...] = ()
+
+
+class TaskEnvironment(BaseModel):
+    """What the Docker backend runs a task in: the image of its commands, its side services, and whether it has
+    a network to the outside (without one, only its side services are reachable). Process backends run over the
+    host's system and take none of it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    image: str
+    services: tuple[SideService, ...] = ()
+    network: bool = False
 
 
 class ExecResult(BaseModel):

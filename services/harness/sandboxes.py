@@ -11,7 +11,7 @@ from pathlib import Path
 from services.harness.docker_sandbox import DockerSandbox
 from services.harness.process_sandbox import ProcessSandbox
 from services.harness.sandbox import Sandbox
-from services.harness.sandbox_spec import Backend, SandboxSpec, SandboxUnavailableError
+from services.harness.sandbox_spec import Backend, SandboxSpec, SandboxUnavailableError, TaskEnvironment
 
 BACKEND_NAMES = ("auto", "bwrap", "unshare", "docker")
 
@@ -22,8 +22,10 @@ def make_sandbox(
     *,
     backend: str = "auto",
     gateway_url: str | None = None,
+    environment: TaskEnvironment | None = None,
 ) -> Sandbox:
-    """Create a sandbox with the named backend; 'auto' takes bubblewrap when present, else unshare."""
+    """Create a sandbox with the named backend; 'auto' takes bubblewrap when present, else unshare. Docker runs
+    in `environment` (the task's image and side services); process backends run over the host's system."""
     match backend:
         case "bwrap" | "unshare":
             return ProcessSandbox(state_dir, spec, backend=backend, gateway_url=gateway_url)
@@ -31,7 +33,7 @@ def make_sandbox(
             chosen: Backend = "bwrap" if shutil.which("bwrap") else "unshare"
             return ProcessSandbox(state_dir, spec, backend=chosen, gateway_url=gateway_url)
         case "docker":
-            return DockerSandbox(state_dir, spec, gateway_url=gateway_url)
+            return DockerSandbox(state_dir, spec, environment=environment, gateway_url=gateway_url)
         case other:
             raise ValueError(f"unknown sandbox backend {other!r}: expected auto, bwrap, unshare or docker")
 

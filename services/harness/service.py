@@ -27,6 +27,7 @@ from services.harness.execution import BuiltinHarness, Harness, LoopObserver, gr
 from services.harness.external_harness import GatewayAccess
 from services.harness.outcomes import AgentStopped
 from services.harness.planning import plan_query, recovery_actions
+from services.harness.task_images import BaseImageMap
 from services.harness.tasks import Task, TaskFormatError, load_task
 from services.harness.uid_pool import UID_POOL
 from shared.effects import Effects
@@ -76,6 +77,8 @@ class HarnessSettings(BaseSettings):
     max_tokens: int = 256
     compact_at_tokens: int = 6000
     backend: str = "auto"
+    # The Docker backend's base-image map, `ref=image,...,*=default` (services.harness.task_images.BaseImageMap).
+    base_images: str = ""
 
 
 class HarnessService(Service):
@@ -90,6 +93,7 @@ class HarnessService(Service):
         self._threads = concurrent.futures.ThreadPoolExecutor(self.h.concurrency, thread_name_prefix="execution")
         self._running: dict[str, asyncio.Task[None]] = {}
         self._task_cache: dict[str, Task] = {}
+        self._base_images = BaseImageMap.parse(self.h.base_images)  # a bad map is named before anything runs
 
     def token_secret(self) -> bytes:
         """The secret execution tokens are derived from; a named error when it was not configured."""
@@ -240,6 +244,7 @@ class HarnessService(Service):
                     state_dir=self.h.work_dir / execution_id,
                     budget=budget,
                     backend=self.h.backend,
+                    base_images=self._base_images,
                     observer=LoopObserver(loop, on_branched=on_branched, on_stopped=on_stopped,
                                           on_call_account=lambda: self._account_at_exit(execution_id)),
                 )
@@ -310,7 +315,8 @@ class HarnessService(Service):
                     continue
             try:
                 grade = await asyncio.to_thread(
-                    grade_preserved, self.task(s.task_id), self.h.work_dir / s.execution_id, backend=self.h.backend
+                    grade_preserved, self.task(s.task_id), self.h.work_dir / s.execution_id, backend=self.h.backend,
+                    base_images=self._base_images,
                 )
             except (FileNotFoundError, TaskFormatError) as exc:
                 await self._emit(self._zero_score(s, f"nothing preserved: {exc}"), stream, None)

@@ -14,6 +14,7 @@ from services.harness.grading import GradeResult, grade
 from services.harness.sandbox import Sandbox, chown_tree
 from services.harness.sandbox_spec import Bind, ExecResult, SandboxSpec
 from services.harness.sandboxes import make_sandbox
+from services.harness.task_images import BaseImageMap, environment_for
 from services.harness.tasks import TEST_DIR, Task
 
 LOGS_DIR = "/logs"
@@ -31,6 +32,22 @@ def sandbox_spec_for(task: Task, base: SandboxSpec | None = None) -> SandboxSpec
     """The sandbox spec for a task: the base spec with the task's working directory."""
     base = base or SandboxSpec()
     return base.model_copy(update={"workdir": task.workdir})
+
+
+def open_sandbox(
+    task: Task,
+    state_dir: Path,
+    *,
+    backend: str = "auto",
+    spec: SandboxSpec | None = None,
+    gateway_url: str | None = None,
+    base_images: BaseImageMap | None = None,
+) -> Sandbox:
+    """The sandbox a task runs in: under Docker in the task's own image (built once per content of its
+    environment, FROM lines mapped through `base_images`) beside its side services; else over the host."""
+    environment = environment_for(task, base_images) if backend == "docker" else None
+    return make_sandbox(state_dir, sandbox_spec_for(task, spec), backend=backend, gateway_url=gateway_url,
+                        environment=environment)
 
 
 def prepare(task: Task, sandbox: Sandbox) -> None:
@@ -112,10 +129,11 @@ def read_inside_file(root: Path, path: Path, limit: int = 4096) -> str | None:
 
 
 def check_with_solution(
-    task: Task, state_dir: Path, *, backend: str = "auto", spec: SandboxSpec | None = None, apply_solution: bool = True
+    task: Task, state_dir: Path, *, backend: str = "auto", spec: SandboxSpec | None = None, apply_solution: bool = True,
+    base_images: BaseImageMap | None = None,
 ) -> GradeResult:
     """Fresh sandbox, optional reference solution, grade; the sandbox's state folder is removed after."""
-    sandbox = make_sandbox(state_dir, sandbox_spec_for(task, spec), backend=backend)
+    sandbox = open_sandbox(task, state_dir, backend=backend, spec=spec, base_images=base_images)
     try:
         prepare(task, sandbox)
         if apply_solution:

@@ -44,6 +44,9 @@ class TaskConfig(BaseModel):
     parser_name: str = "pytest"
     # Gyre extension: where the workspace is mapped; Terminal-Bench gets it from the Dockerfile.
     workdir: str | None = None
+    # Gyre extension: the agent's and the tests' containers reach the outside (Docker backend). Without it they
+    # reach nothing but the task's own compose services.
+    network: bool = False
     # Gyre extension: the generator family and parameters of a generated task.
     family: str | None = None
 

@@ -8,21 +8,38 @@ from pathlib import Path
 
 import pytest
 
-from services.harness.process_sandbox import ProcessSandbox
-from services.harness.sandbox_spec import SandboxSpec
-from services.harness.sandboxes import available_backends
+from services.harness.docker_sandbox import docker_engine_available
+from services.harness.sandbox import Sandbox
+from services.harness.sandbox_spec import DEFAULT_BASE_IMAGE, SandboxSpec
+from services.harness.sandboxes import available_backends, make_sandbox
 
 REPO = Path(__file__).resolve().parents[2]
 TASKS = REPO / "tasks"
+DOCKER_TASKS = REPO / "docker-tasks"
 _BACKENDS = available_backends()
 
 
+def docker_ready() -> bool:
+    """An engine answers and holds the base image (`make test` runs deploy/docker-engine.sh for both)."""
+    if not docker_engine_available():
+        return False
+    import subprocess
+
+    return subprocess.run(["docker", "image", "inspect", DEFAULT_BASE_IMAGE], capture_output=True).returncode == 0
+
+
+DOCKER_READY = docker_ready()
+needs_docker = pytest.mark.skipif(
+    not DOCKER_READY, reason="no Docker engine with the base image here (deploy/docker-engine.sh makes both, as root)")
+
+
 def backend_params() -> list[object]:
-    """bwrap and unshare, each skipped with its reason where it does not work on this machine."""
+    """bwrap, unshare and docker: the one sandbox contract, each skipped with its reason where it cannot run."""
     params: list[object] = []
     for name in ("bwrap", "unshare"):
         reason = "the process sandbox runs as root" if os.geteuid() != 0 else f"no working {name} on this machine"
         params.append(pytest.param(name, marks=pytest.mark.skipif(name not in _BACKENDS, reason=reason)))
+    params.append(pytest.param("docker", marks=needs_docker))
     return params
 
 
@@ -39,7 +56,7 @@ def best_backend() -> str:
 
 
 @pytest.fixture
-def sandbox(tmp_path: Path, backend: str) -> Iterator[ProcessSandbox]:
-    box = ProcessSandbox(tmp_path / "sandbox", SandboxSpec(workdir="/app"), backend=backend)  # type: ignore[arg-type]
+def sandbox(tmp_path: Path, backend: str) -> Iterator[Sandbox]:
+    box = make_sandbox(tmp_path / "sandbox", SandboxSpec(workdir="/app"), backend=backend)
     yield box
     box.close(remove=True)

@@ -1,4 +1,5 @@
-"""Process sandbox containment: filesystem, network, and runaway processes (bounded so the host is safe)."""
+"""The sandbox contract, one suite for every backend (bubblewrap, unshare, Docker): filesystem, network, runaway
+processes, limits, uids (bounded so the host is safe)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from services.harness.process_sandbox import ProcessSandbox
+from services.harness.sandbox import Sandbox
 from services.harness.sandbox_spec import SandboxLimits, SandboxSpec
+from services.harness.sandboxes import make_sandbox
 
 
 def processes_of_uid(uid: int) -> list[int]:
@@ -32,12 +34,12 @@ def processes_of_uid(uid: int) -> list[int]:
     return found
 
 
-def limited(tmp_path: Path, backend: str, **limits: int) -> ProcessSandbox:
+def limited(tmp_path: Path, backend: str, **limits: int) -> Sandbox:
     spec = SandboxSpec(workdir="/app", limits=SandboxLimits(**limits), kill_grace_s=0.5)
-    return ProcessSandbox(tmp_path / "limited", spec, backend=backend)  # type: ignore[arg-type]
+    return make_sandbox(tmp_path / "limited", spec, backend=backend)
 
 
-def test_workspace_is_mapped_at_workdir_and_writable(sandbox: ProcessSandbox) -> None:
+def test_workspace_is_mapped_at_workdir_and_writable(sandbox: Sandbox) -> None:
     result = sandbox.exec("pwd && echo made > result.txt", timeout_s=60)
     assert result.ok, result.stderr
     assert result.stdout.strip() == "/app"
@@ -45,13 +47,13 @@ def test_workspace_is_mapped_at_workdir_and_writable(sandbox: ProcessSandbox) ->
 
 
 @pytest.mark.parametrize("target", ["/etc/gyre-escape", "/usr/gyre-escape", "/gyre-escape", "/root/gyre-escape"])
-def test_writing_outside_the_workspace_fails(sandbox: ProcessSandbox, target: str) -> None:
+def test_writing_outside_the_workspace_fails(sandbox: Sandbox, target: str) -> None:
     result = sandbox.exec(f"echo x > {target}", timeout_s=60)
     assert result.exit_code != 0
     assert not Path(target).exists()
 
 
-def test_host_project_and_tmp_are_not_writable_from_inside(sandbox: ProcessSandbox, tmp_path: Path) -> None:
+def test_host_project_and_tmp_are_not_writable_from_inside(sandbox: Sandbox, tmp_path: Path) -> None:
     host_file = tmp_path / "host-owned.txt"
     host_file.write_text("original")
     # tmp_path is under the host's /tmp, which the sandbox replaces with its own.
@@ -62,7 +64,7 @@ def test_host_project_and_tmp_are_not_writable_from_inside(sandbox: ProcessSandb
     assert sandbox.exec(f"echo x >> {venv_file}", timeout_s=60).exit_code != 0
 
 
-def test_network_connections_fail(sandbox: ProcessSandbox) -> None:
+def test_network_connections_fail(sandbox: Sandbox) -> None:
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(1)
@@ -94,7 +96,7 @@ def test_network_connections_fail(sandbox: ProcessSandbox) -> None:
     assert accepted == []
 
 
-def test_background_processes_do_not_outlive_the_command(sandbox: ProcessSandbox) -> None:
+def test_background_processes_do_not_outlive_the_command(sandbox: Sandbox) -> None:
     result = sandbox.exec("(sleep 300 &) ; setsid sleep 300 & echo started", timeout_s=60)
     assert result.ok
     assert processes_of_uid(sandbox.uid) == []
@@ -172,7 +174,7 @@ def test_a_command_whose_files_outgrow_the_disk_limit_is_killed(tmp_path: Path, 
     """Many files, each under the per-file cap, still hit the sandbox's total."""
     spec = SandboxSpec(workdir="/app", limits=SandboxLimits(disk_bytes=8 * 1024**2, disk_check_s=0.2),
                        kill_grace_s=0.5)
-    box = ProcessSandbox(tmp_path / "disk", spec, backend=backend)  # type: ignore[arg-type]
+    box = make_sandbox(tmp_path / "disk", spec, backend=backend)
     try:
         small = box.exec("head -c 2M /dev/urandom > small.bin && sleep 1", timeout_s=60)
         assert small.ok and not small.disk_exceeded
@@ -191,7 +193,7 @@ def test_a_command_whose_files_outgrow_the_disk_limit_is_killed(tmp_path: Path, 
 
 def test_output_is_capped_keeping_head_and_tail(tmp_path: Path, backend: str) -> None:
     spec = SandboxSpec(workdir="/app", max_output_bytes=4096)
-    box = ProcessSandbox(tmp_path / "out", spec, backend=backend)  # type: ignore[arg-type]
+    box = make_sandbox(tmp_path / "out", spec, backend=backend)
     try:
         result = box.exec("echo FIRST; head -c 100000 /dev/zero | tr '\\0' x; echo; echo LAST", timeout_s=60)
         assert result.truncated
@@ -202,7 +204,7 @@ def test_output_is_capped_keeping_head_and_tail(tmp_path: Path, backend: str) ->
 
 
 def test_concurrent_sandboxes_get_distinct_uids(tmp_path: Path, backend: str) -> None:
-    boxes = [ProcessSandbox(tmp_path / f"b{i}", SandboxSpec(), backend=backend) for i in range(3)]  # type: ignore[arg-type]
+    boxes = [make_sandbox(tmp_path / f"b{i}", SandboxSpec(), backend=backend) for i in range(3)]
     try:
         assert len({box.uid for box in boxes}) == 3
         assert all(box.uid != 0 for box in boxes)
@@ -232,8 +234,8 @@ def test_a_sandbox_that_fails_to_build_gives_its_uid_back(tmp_path: Path, backen
     pool = uid_pool.UidPool(base=71000, size=1, lock_dir=tmp_path / "locks")
     monkeypatch.setattr(uid_pool, "UID_POOL", pool)
     with pytest.raises(SandboxError, match="gateway URL"):
-        ProcessSandbox(tmp_path / "bad", SandboxSpec(), backend=backend, gateway_url="http:///no-host")  # type: ignore[arg-type]
-    box = ProcessSandbox(tmp_path / "good", SandboxSpec(), backend=backend)  # type: ignore[arg-type]
+        make_sandbox(tmp_path / "bad", SandboxSpec(), backend=backend, gateway_url="http:///no-host")
+    box = make_sandbox(tmp_path / "good", SandboxSpec(), backend=backend)
     try:
         assert box.uid == 71000
     finally:
@@ -244,7 +246,7 @@ def test_extra_read_only_paths_are_visible_even_under_tmp(tmp_path: Path, backen
     tool_dir = tmp_path / "tool"
     tool_dir.mkdir()
     (tool_dir / "run.sh").write_text("echo tool ran\n")
-    box = ProcessSandbox(tmp_path / "box", SandboxSpec(ro_paths=(str(tool_dir),)), backend=backend)  # type: ignore[arg-type]
+    box = make_sandbox(tmp_path / "box", SandboxSpec(ro_paths=(str(tool_dir),)), backend=backend)
     try:
         result = box.exec(f"bash {tool_dir}/run.sh && touch {tool_dir}/x", timeout_s=60)
         assert "tool ran" in result.stdout
@@ -275,7 +277,7 @@ def test_dev_shm_is_capped_and_setuid_programs_gain_nothing(tmp_path: Path, back
     """/dev/shm lives in host memory outside RLIMIT_DATA, so its own size caps it; no_new_privs keeps a setuid
     program (su, mount) from running with euid 0 inside."""
     spec = SandboxSpec(workdir="/app", limits=SandboxLimits(shm_bytes=8 * 1024**2), kill_grace_s=0.5)
-    box = ProcessSandbox(tmp_path / "shm", spec, backend=backend)  # type: ignore[arg-type]
+    box = make_sandbox(tmp_path / "shm", spec, backend=backend)
     try:
         assert box.exec("head -c 4M /dev/zero > /dev/shm/small", timeout_s=60).ok
         full = box.exec("head -c 32M /dev/zero > /dev/shm/big", timeout_s=60)

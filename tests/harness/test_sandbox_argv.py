@@ -157,6 +157,8 @@ def test_docker_runs_without_network_or_capabilities_within_the_limits_and_keeps
     assert args[args.index("--label") + 1] == "gyre.sandbox-root=/srv"
     assert ("--pids-limit" in args) == (chosen.max_processes is not None)
     assert ("--memory" in args) == (chosen.memory_bytes is not None)
+    assert (f"data={chosen.memory_bytes}" in args) == (chosen.memory_bytes is not None)
+    assert args[args.index("--shm-size") + 1] == str(chosen.shm_bytes)
     passed = [args[i + 1] for i, a in enumerate(args) if a == "-e"]
     assert passed == [f"{k}={v}" for k, v in env.items() if k != "PATH"]
     assert args[-3:] == ["/app", "img", "true"]
