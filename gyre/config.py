@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 TINY_MODELS = ("tiny", "small")  # created locally from the run's seed (gyre/tinymodel.py)
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -52,6 +52,17 @@ class HarnessSection(_Section):
     claude_code_version: str | None = None
     concurrency: int = Field(default=4, ge=1)  # executions the harness runs at once
     sandbox: Literal["auto", "bwrap", "unshare", "docker"] = "auto"
+    # Docker: where each task Dockerfile's FROM comes from, `ref=image,...,*=default` (no registry is reachable;
+    # empty: everything onto the local gyre-base:bookworm that deploy/docker-engine.sh builds).
+    base_images: str = ""
+
+    @field_validator("base_images")
+    @classmethod
+    def _base_images(cls, value: str) -> str:
+        from services.harness.task_images import BaseImageMap
+
+        BaseImageMap.parse(value)
+        return value
 
 
 class BudgetsSection(_Section):
@@ -161,6 +172,7 @@ VARIABLES: dict[str, tuple[str, ...]] = {
     "harness.claude_code_dir": ("GYRE_HARNESS_CLAUDE_CODE_DIR",),
     "harness.concurrency": ("GYRE_HARNESS_CONCURRENCY",),
     "harness.sandbox": ("GYRE_HARNESS_BACKEND",),
+    "harness.base_images": ("GYRE_HARNESS_BASE_IMAGES",),
     "budgets.calls": ("GYRE_HARNESS_CALL_BUDGET",),
     "budgets.wall_s": ("GYRE_HARNESS_WALL_BUDGET_S",),
     "budgets.reply_tokens": ("GYRE_HARNESS_MAX_TOKENS", "GYRE_ROLLOUT_MAX_REPLY_TOKENS"),

@@ -418,6 +418,7 @@ def _run(config: RunConfig, plan: RunPlan, run_id: str, run_dir: Path, record: R
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     report = build_report(run_id, events)
+    report.tasks_left_out = dict(plan.left_out)
     written = write_report(report, run_dir)
     for line in summary_lines(report):
         console.print(line)

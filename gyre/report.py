@@ -102,6 +102,7 @@ class RunReport:
     weights_retired: int = 0  # versions whose objects retention deleted
     weights_retired_bytes: int = 0
     wall_s: float | None = None
+    tasks_left_out: dict[str, str] = field(default_factory=dict)  # named to train on, not runnable here: why
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -328,6 +329,7 @@ def summary_lines(report: RunReport) -> list[str]:
     if report.kv_fallbacks:
         lines.append("KV moves that recomputed: " + "; ".join(f"{n}× {r}" for r, n in report.kv_fallbacks.items()))
     lines.extend(_weight_sync_lines(report))
+    lines += [f"left out (cannot run here): {task_id}: {reason}" for task_id, reason in report.tasks_left_out.items()]
     return lines
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +28,15 @@ class RunPlan:
     processes: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    # Tasks named to train on that the harness cannot run here (a format it does not read, an image it cannot
+    # make), with why: the run goes on without them and its report lists them.
+    left_out: dict[str, str] = field(default_factory=dict)
+
+    def leave_out(self, task_id: str, reason: str) -> None:
+        self.left_out[task_id] = reason
+        self.warnings.append(f"tasks: {task_id} left out: {reason}")
+        if task_id in self.task_ids:
+            self.task_ids.remove(task_id)
 
     def check(self) -> None:
         """Raise the plan's errors, one line each, so that nothing starts."""
@@ -56,6 +64,7 @@ class RunPlan:
         out.append(f"optimise   lr {c.optim.lr:g}, clip [{c.optim.eps_low:g}, {c.optim.eps_high:g}], "
                    f"IS cap {c.optim.is_cap:g}; warm start {warm}")
         out.append(f"outputs    {run_dir}/ (logs/, checkpoints/, report.json)")
+        out += [f"left out   {task_id}: {reason}" for task_id, reason in self.left_out.items()]
         out += ["processes"] + [f"  {p}" for p in self.processes]
         if self.sources:
             out += ["overridden"] + [f"  {k} = {flatten(c)[k]!r} ({v})" for k, v in sorted(self.sources.items())]
@@ -88,12 +97,19 @@ def _tasks(plan: RunPlan) -> list[str]:
         plan.errors.append(f"tasks.train: empty, and {tasks_dir} holds none of the shipped family "
                            f"({', '.join(LEARNABLE_FAMILIES)}): name the tasks to train on")
     instructions = []
-    for key, ids in (("tasks.train", plan.task_ids), ("tasks.held_out", c.tasks.held_out)):
+    for key, ids in (("tasks.train", list(plan.task_ids)), ("tasks.held_out", c.tasks.held_out)):
         for task_id in ids:
             try:
                 instructions.append(load_task(tasks_dir / task_id).config.instruction)
-            except (TaskFormatError, FileNotFoundError, OSError) as exc:
+            except TaskFormatError as exc:
+                if (tasks_dir / task_id).is_dir():  # there, in a form the harness cannot run: the rest go on
+                    plan.leave_out(task_id, exc.problem if exc.field is None else f"{exc.field}: {exc.problem}")
+                else:  # not there at all: a mistake in the config
+                    plan.errors.append(f"{key}: {task_id}: {str(exc).splitlines()[0]}")
+            except OSError as exc:
                 plan.errors.append(f"{key}: {task_id}: {str(exc).splitlines()[0]}")
+    if c.tasks.train and not plan.task_ids:
+        plan.errors.append("tasks.train: every task named was left out: nothing to train on")
     return instructions
 
 
@@ -191,8 +207,7 @@ def _harness(plan: RunPlan) -> None:
             plan.errors.append(f"harness.claude_code_version: {c.claude_code_version} pinned, "
                                f"{found} installed under {c.claude_code_dir}")
     if c.sandbox == "docker":
-        if not shutil.which("docker"):
-            plan.errors.append("harness.sandbox: docker is not installed here")
+        _docker(plan)
         return
     from services.harness.sandboxes import available_backends
 
@@ -203,6 +218,30 @@ def _harness(plan: RunPlan) -> None:
     elif not found_backends:
         plan.warnings.append("no sandbox backend works here (bwrap and unshare need root): every execution "
                              "will fail")
+
+
+def _docker(plan: RunPlan) -> None:
+    """The engine answers and every task's image can be made here (built at its first execution, then cached)."""
+    from services.harness.docker_sandbox import docker_engine_available
+    from services.harness.task_images import BaseImageMap, check_environment
+    from services.harness.tasks import TaskFormatError, load_task
+
+    if not docker_engine_available():
+        plan.errors.append("harness.sandbox: docker: no Docker engine answers here (deploy/docker-engine.sh "
+                           "installs and starts one, as root)")
+        return
+    base = BaseImageMap.parse(plan.config.harness.base_images)
+    tasks_dir = Path(plan.config.tasks.dir)
+    for task_id in [*plan.task_ids, *plan.config.tasks.held_out]:
+        try:
+            task = load_task(tasks_dir / task_id)
+        except (TaskFormatError, OSError):
+            continue  # named by the task check
+        problems = check_environment(task, base)
+        if problems:
+            plan.leave_out(task_id, "; ".join(problems))
+    if not plan.task_ids:
+        plan.errors.append("tasks: no task's image can be made here: nothing to train on")
 
 
 def _cells(plan: RunPlan) -> None:

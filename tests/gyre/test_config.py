@@ -86,6 +86,29 @@ def test_the_plan_names_what_cannot_run(data: dict, message: str) -> None:
         plan.check()
 
 
+def test_a_task_the_harness_cannot_run_is_left_out_with_its_reason_and_the_rest_go_on(tmp_path: Path) -> None:
+    import shutil
+
+    from gyre.report import RunReport, summary_lines
+
+    tasks = tmp_path / "tasks"
+    shutil.copytree("tasks/sum-numbers-1", tasks / "sum-numbers-1")
+    shutil.copytree("tasks/sum-numbers-1", tasks / "swe-style")
+    yaml_path = tasks / "swe-style" / "task.yaml"
+    yaml_path.write_text(yaml_path.read_text().replace("parser_name: pytest", "") + "parser_name: swebench\n")
+    plan = plan_run(RunConfig.model_validate({"tasks": {"dir": str(tasks), "train": ["sum-numbers-1", "swe-style"]}}))
+    assert plan.errors == [] and plan.task_ids == ["sum-numbers-1"]
+    assert list(plan.left_out) == ["swe-style"] and "parser_name" in plan.left_out["swe-style"]
+    assert "'swebench'" in plan.left_out["swe-style"]
+    assert any(line.startswith("left out   swe-style: parser_name") for line in plan.lines(tmp_path / "run"))
+    report = RunReport(run_id="r", tasks_left_out=plan.left_out)
+    assert summary_lines(report)[-1].startswith("left out (cannot run here): swe-style: parser_name")
+    assert json.loads(report.to_json())["tasks_left_out"] == plan.left_out
+
+    alone = plan_run(RunConfig.model_validate({"tasks": {"dir": str(tasks), "train": ["swe-style"]}}))
+    assert alone.errors == ["tasks.train: every task named was left out: nothing to train on"]
+
+
 def test_variables_and_set_override_the_file_in_that_order(tmp_path: Path) -> None:
     path = tmp_path / "run.toml"
     path.write_text('[scheduling]\nsteps = 5\ngroup_size = 4\n[optim]\nlr = 1e-5\n[tasks]\ntrain = ["a", "b"]\n')
