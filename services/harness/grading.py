@@ -24,7 +24,7 @@ class GradeResult(BaseModel):
 
     score: float = Field(ge=0.0, le=1.0)
     tests: tuple[tuple[str, TestOutcome], ...] = ()
-    source: str  # "pytest", "reward-file" or "none"
+    source: str  # "pytest", "reward-file", "swebench" or "none"
     detail: str = ""
 
     @property
@@ -103,10 +103,29 @@ def parse_reward(text: str) -> float:
     return value
 
 
+SWEBENCH_START = "SWEBench results starts here"
+SWEBENCH_END = "SWEBench results ends here"
+
+
+def grade_swebench_output(output: str) -> GradeResult:
+    """Terminal-Bench's `swebench` parser: the tests print the SWE-bench grader's verdict between two marker
+    lines; the task is resolved (1.0) when that block is exactly PASSED, else 0.0 (one test, named `tests`).
+    The last block counts, so an earlier one the agent's code printed cannot stand in for the grader's."""
+    start, end = output.rfind(SWEBENCH_START), output.rfind(SWEBENCH_END)
+    if start < 0 or end < start:
+        return GradeResult(score=0.0, source="none", detail="no SWE-bench result block in the test output")
+    passed = output[start + len(SWEBENCH_START) : end].strip() == "PASSED"
+    return GradeResult(score=1.0 if passed else 0.0, source="swebench",
+                       tests=(("tests", TestOutcome.PASSED if passed else TestOutcome.FAILED),))
+
+
 def grade(test_output: str, reward_text: str | None, parser: str = "pytest") -> GradeResult:
     """The task's `parser_name` says what scores it, and only that counts. `pytest`: the pytest summary; a
     reward file is ignored (the agent's own code runs during the tests, e.g. a script the tests call, and can
-    write one). `reward`: the reward file the checker writes; a pytest summary in its output is not it."""
+    write one). `reward`: the reward file the checker writes; a pytest summary in its output is not it.
+    `swebench`: the SWE-bench grader's verdict block, all or nothing."""
+    if parser == "swebench":
+        return grade_swebench_output(test_output)
     if parser != "reward":
         return grade_pytest_output(test_output)
     if reward_text is None:

@@ -13,6 +13,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 DEFAULT_WORKDIR = "/app"
+# The test parsers the harness reads (grading.grade): Terminal-Bench's `pytest` and `swebench`, and `reward`.
+# Terminal-Bench's others (swelancer, mlebench, sweperf) score by dataset-specific files and are refused.
+PARSERS = ("pytest", "reward", "swebench")
 TEST_DIR = "/tests"
 
 
@@ -67,8 +70,9 @@ class TaskConfig(BaseModel):
     @field_validator("parser_name")
     @classmethod
     def _known_parser(cls, value: str) -> str:
-        if value not in ("pytest", "reward"):
-            raise ValueError(f"expected 'pytest' or 'reward', got {value!r}")
+        if value not in PARSERS:
+            raise ValueError(f"expected one of {', '.join(map(repr, PARSERS))}, got {value!r} (a parser the harness "
+                             "does not read)")
         return value
 
 
@@ -143,6 +147,8 @@ def load_task(root: Path | str) -> Task:
         raise TaskFormatError(root, "tests", "expected run-tests.sh or tests/test_outputs.py, found neither")
     if config.parser_name == "reward" and not has_run_tests:
         raise TaskFormatError(task_yaml, "parser_name", "'reward' needs a run-tests.sh that writes the reward file")
+    if config.parser_name == "swebench" and not has_run_tests:
+        raise TaskFormatError(task_yaml, "parser_name", "'swebench' needs a run-tests.sh that prints the verdict block")
 
     def optional(name: str) -> Path | None:
         path = root / name

@@ -95,11 +95,11 @@ def test_a_task_the_harness_cannot_run_is_left_out_with_its_reason_and_the_rest_
     shutil.copytree("tasks/sum-numbers-1", tasks / "sum-numbers-1")
     shutil.copytree("tasks/sum-numbers-1", tasks / "swe-style")
     yaml_path = tasks / "swe-style" / "task.yaml"
-    yaml_path.write_text(yaml_path.read_text().replace("parser_name: pytest", "") + "parser_name: swebench\n")
+    yaml_path.write_text(yaml_path.read_text().replace("parser_name: pytest", "") + "parser_name: mlebench\n")
     plan = plan_run(RunConfig.model_validate({"tasks": {"dir": str(tasks), "train": ["sum-numbers-1", "swe-style"]}}))
     assert plan.errors == [] and plan.task_ids == ["sum-numbers-1"]
     assert list(plan.left_out) == ["swe-style"] and "parser_name" in plan.left_out["swe-style"]
-    assert "'swebench'" in plan.left_out["swe-style"]
+    assert "'mlebench'" in plan.left_out["swe-style"]
     assert any(line.startswith("left out   swe-style: parser_name") for line in plan.lines(tmp_path / "run"))
     report = RunReport(run_id="r", tasks_left_out=plan.left_out)
     assert summary_lines(report)[-1].startswith("left out (cannot run here): swe-style: parser_name")

@@ -92,3 +92,19 @@ def test_score_is_fraction_of_counted_tests(words: list[str]) -> None:
     assert result.score == expected
     assert 0.0 <= result.score <= 1.0
     assert result.resolved == (bool(counted) and len(passed) == len(counted))
+
+
+def test_the_swebench_parser_reads_the_last_verdict_block_all_or_nothing() -> None:
+    from services.harness.grading import SWEBENCH_END, SWEBENCH_START
+
+    def block(verdict: str) -> str:
+        return f"{SWEBENCH_START}\n{verdict}\n{SWEBENCH_END}\n"
+
+    passed = grade("noise\n" + block("PASSED"), None, parser="swebench")
+    assert passed.score == 1.0 and passed.source == "swebench" and passed.tests == (("tests", TestOutcome.PASSED),)
+    assert grade(block("FAILED"), None, parser="swebench").score == 0.0
+    # An earlier block (the agent's own code printing one) does not stand in for the grader's, printed last.
+    assert grade(block("PASSED") + block("FAILED"), None, parser="swebench").score == 0.0
+    missing = grade(SAMPLE, "1.0", parser="swebench")
+    assert missing.score == 0.0 and missing.source == "none" and "no SWE-bench result block" in missing.detail
+    assert grade(f"{SWEBENCH_END}\n{SWEBENCH_START}\nPASSED\n", None, parser="swebench").score == 0.0

@@ -48,3 +48,24 @@ def test_a_pytest_module_left_in_the_workdir_does_not_grade_the_task(tmp_path: P
         assert graded.tests and not any(test.endswith("::t") for test, _ in graded.tests)
     finally:
         sandbox.close(remove=True)
+
+
+def test_a_swebench_parsed_task_scores_by_its_graders_verdict_block(tmp_path: Path, best_backend: str) -> None:
+    """Terminal-Bench's `swebench` parser, end to end: run-tests.sh prints the grader's verdict between the
+    markers, and the task scores 1.0 only when it says PASSED."""
+    from services.harness.taskrun import check_with_solution
+    from services.harness.tasks import load_task
+
+    root = tmp_path / "swe-task"
+    root.mkdir()
+    (root / "task.yaml").write_text("instruction: Write fixed to /app/state.\nparser_name: swebench\n")
+    (root / "run-tests.sh").write_text(
+        'echo "SWEBench results starts here"\n'
+        'if [ "$(cat /app/state 2>/dev/null)" = fixed ]; then echo PASSED; else echo FAILED; fi\n'
+        'echo "SWEBench results ends here"\n')
+    (root / "solution.sh").write_text("echo fixed > /app/state\n")
+    task = load_task(root)
+    solved = check_with_solution(task, tmp_path / "solved", backend=best_backend)
+    assert solved.score == 1.0 and solved.source == "swebench", solved
+    untouched = check_with_solution(task, tmp_path / "untouched", backend=best_backend, apply_solution=False)
+    assert untouched.score == 0.0 and untouched.source == "swebench", untouched

@@ -53,6 +53,8 @@ def test_missing_task_yaml_names_the_file(tmp_path: Path) -> None:
         ("instruction: x\nmax_test_timeout_sec: soon\n", "max_test_timeout_sec"),
         ("instruction: x\nworkdir: relative/dir\n", "workdir"),
         ("instruction: x\nparser_name: junit\n", "parser_name"),
+        ("instruction: x\nparser_name: mlebench\n", "parser_name"),
+        ("instruction: x\nparser_name: swebench\n", "parser_name"),  # without the run-tests.sh that prints it
     ],
 )
 def test_invalid_task_yaml_names_file_and_field(tmp_path: Path, yaml_text: str, field: str) -> None:
