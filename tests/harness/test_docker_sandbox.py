@@ -165,3 +165,17 @@ def test_a_dead_harness_s_side_services_and_network_are_swept(tmp_path: Path) ->
     assert sweep_orphan_containers(root)
     assert _labelled("ps", root) == [] and _labelled("network", root) == []
     box.close(remove=True)  # and the next harness's close of nothing is harmless
+
+
+@needs_docker
+def test_a_task_that_asks_for_a_network_gets_one_and_others_get_none(tmp_path: Path) -> None:
+    def interfaces(network: bool) -> list[str]:
+        box = DockerSandbox(tmp_path / f"net-{network}", SandboxSpec(workdir="/app"),
+                            environment=TaskEnvironment(image=DEFAULT_BASE_IMAGE, network=network))
+        try:
+            return sorted(box.exec("ls /sys/class/net", timeout_s=120).stdout.split())
+        finally:
+            box.close(remove=True)
+
+    assert interfaces(False) == ["lo"]
+    assert "eth0" in interfaces(True)
