@@ -20,6 +20,7 @@ from shared.events import (
     CellReleased,
     Event,
     ExecutionBranched,
+    ExecutionResumed,
     ExecutionScored,
     ExecutionStarted,
     GroupFormed,
@@ -73,6 +74,9 @@ class RunReport:
     executions: int = 0
     timed_out: int = 0
     infra_failures: int = 0  # executions infrastructure ended: not trained, not in the reward curve
+    # Resumes by a restarted harness (`execution.resumed`): calls answered again from the log, not generated.
+    resumed_executions: int = 0
+    replayed_calls: int = 0
     stale_executions: int = 0  # executions left out of training: generated beyond the staleness bound
     branches: dict[str, int] = field(default_factory=dict)
     forks_by_cause: dict[str, int] = field(default_factory=dict)  # the gateway's forks: what the harness rewrote
@@ -159,6 +163,9 @@ def build_report(run_id: str, events: Sequence[Event]) -> RunReport:
                 report.infra_failures += 1
             else:
                 rewards[step_of.get(data.execution_id, 0)].append(data.reward)
+        elif isinstance(data, ExecutionResumed):
+            report.resumed_executions += 1
+            report.replayed_calls += data.replayed_calls
         elif isinstance(data, ExecutionBranched):
             branches[data.kind] += 1
             if data.kind == "fork":
@@ -284,6 +291,8 @@ def summary_lines(report: RunReport) -> list[str]:
     lines = [f"run {report.run_id}: {len(report.steps)} steps, {report.executions} executions "
              f"({report.timed_out} timed out"
              + (f", {report.infra_failures} ended by infrastructure" if report.infra_failures else "")
+             + (f", {report.resumed_executions} resumed after a harness stop ({report.replayed_calls} calls "
+                "replayed)" if report.resumed_executions else "")
              + (f", {report.stale_executions} left out as too stale" if report.stale_executions else "")
              + f") in {report.wall_s or 0:.0f} s"]
     if report.reward_gain is not None:

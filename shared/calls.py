@@ -19,6 +19,9 @@ CALL_RECORD_MEDIA_TYPE = "application/x-gyre-call-record"
 # Response header by which the gateway tells a client the index its call was recorded under. An agent that
 # numbers its calls by it stays aligned with the log even when a reply was lost and the request re-sent.
 CALL_INDEX_HEADER = "x-gyre-call-index"
+# Request header by which a resumed agent (its harness restarted) says which of its execution's calls it is
+# making again: the gateway answers it from the log, without generating, when its prompt is the recorded one.
+REPLAY_HEADER = "x-gyre-replay-of"
 
 
 def call_seed(execution_seed: int, call_index: int) -> int:

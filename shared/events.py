@@ -338,6 +338,18 @@ class ExecutionTimedOut(EventData):
 
 
 @register
+class ExecutionResumed(EventData):
+    """A restarted harness picked up an execution its predecessor was running when it stopped: the agent runs
+    again from the start in a fresh workspace, its first `replayed_calls` calls answered from the log (no
+    generation, nothing recorded again), and goes on live. `attempt` counts the resumes of this execution."""
+
+    TYPE: ClassVar[str] = "execution.resumed"
+    execution_id: str
+    replayed_calls: int = Field(ge=0)
+    attempt: int = Field(ge=1)
+
+
+@register
 class ExecutionFinished(_Extended):
     TYPE: ClassVar[str] = "execution.finished"
     execution_id: str

@@ -37,7 +37,7 @@ from services.harness.agent_core import (
     validate_reply,
 )
 from services.harness.sandbox_spec import ExecResult
-from shared.calls import CALL_INDEX_HEADER, call_seed
+from shared.calls import CALL_INDEX_HEADER, REPLAY_HEADER, call_seed
 
 
 def _call_index(value: str | None) -> int | None:
@@ -105,8 +105,12 @@ class AgentLoop:
         sink: BranchSink | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        replay_calls: int = 0,
     ) -> None:
         self.client = client
+        # Resumed after its harness stopped: its first `replay_calls` calls were answered before, and the gateway
+        # answers them again from the log (REPLAY_HEADER) while the loop redoes its commands in a fresh workspace.
+        self.replay_calls = replay_calls
         self.config = config
         self.runner = runner
         self.sink = sink or NullBranchSink()
@@ -122,11 +126,12 @@ class AgentLoop:
 
     @classmethod
     def for_gateway(
-        cls, base_url: str, token: str, config: AgentConfig, runner: CommandRunner, *, sink: BranchSink | None = None
+        cls, base_url: str, token: str, config: AgentConfig, runner: CommandRunner, *, sink: BranchSink | None = None,
+        replay_calls: int = 0,
     ) -> AgentLoop:
         """A loop whose client sends the execution's token as a bearer token, like Claude Code does."""
         client = anthropic.Anthropic(base_url=base_url, auth_token=token, api_key=None, max_retries=config.sdk_max_retries)
-        return cls(client, config, runner, sink=sink)
+        return cls(client, config, runner, sink=sink, replay_calls=replay_calls)
 
     # --- public -----------------------------------------------------------------------------------------
 
@@ -192,6 +197,8 @@ class AgentLoop:
         if self.config.seed is not None:
             # Distinct per call, so re-samples (retries) differ while the whole run stays reproducible.
             kwargs["extra_body"] = {"seed": call_seed(self.config.seed, self.calls)}
+        if self.calls < self.replay_calls:
+            kwargs["extra_headers"] = {REPLAY_HEADER: str(self.calls)}
         response, recorded_as = self._create_within_budget(kwargs)
         # The gateway names the index it recorded the call under: after a reply lost on the way back and a
         # re-sent request, the log holds one call more than this loop saw, and numbering by the log keeps the

@@ -96,8 +96,13 @@ def run_execution(
     spec: SandboxSpec | None = None,
     observer: ExecutionObserver | None = None,
     base_images: BaseImageMap | None = None,
+    replay_calls: int = 0,
 ) -> ExecutionResult:
-    """Run one execution; on a spent budget the agent stops and the work it left is graded all the same."""
+    """Run one execution; on a spent budget the agent stops and the work it left is graded all the same.
+
+    `replay_calls` resumes a built-in agent whose harness stopped after that many answered calls: in a fresh
+    sandbox the loop runs again from the start, the gateway answering those calls from the log, and goes on live
+    after them."""
     observer = observer or NullObserver()
     wall = task.config.max_agent_timeout_sec
     if budget is not None and budget.wall_clock_s is not None:
@@ -115,7 +120,9 @@ def run_execution(
             external_outcome = run_external(harness, sandbox, gateway, task.instruction, timeout_s=wall)
             stopped = external_stopped(external_outcome, observer.call_account())
         else:
-            loop = AgentLoop.for_gateway(gateway.base_url, gateway.token, harness.agent.model_copy(update={"model": gateway.model}), sandbox, sink=observer)
+            loop = AgentLoop.for_gateway(gateway.base_url, gateway.token,
+                                         harness.agent.model_copy(update={"model": gateway.model}), sandbox,
+                                         sink=observer, replay_calls=replay_calls)
             agent_outcome = loop.run(task.instruction, budget)
             stopped = agent_stopped(agent_outcome)
         observer.agent_stopped(stopped)

@@ -5,8 +5,10 @@ Executions are announced (`execution.started`) in the same transaction that reco
 processed, and launched only after it commits. The gateway takes each execution up from that event (seed,
 call budget, cell); the harness derives the execution's token itself from the secret both share, and reads
 the gateway's account of an external agent's calls back from the execution's stream: no control call goes
-from here to the gateway. After a crash, `recover` finds executions that started but never ended, marks them
-timed out (`budget="crash"`) and grades the work preserved in their sandboxes.
+from here to the gateway. After a crash, `recover` finds executions that started but never ended and resumes
+each built-in one (`execution.resumed`: the agent runs again in a fresh workspace, the gateway answering its
+recorded calls from the log, and goes on live); one it cannot resume is timed out (`budget="crash"`), graded
+on the work its sandbox preserved and marked an infrastructure failure, which is not trained.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
+import shutil
 import time
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -36,6 +41,7 @@ from shared.events import (
     EventData,
     ExecutionBranched,
     ExecutionFinished,
+    ExecutionResumed,
     ExecutionScored,
     ExecutionStarted,
     ExecutionTimedOut,
@@ -48,6 +54,17 @@ from shared.runtime import Service
 from shared.settings import Settings
 
 END_TYPES = ("execution.finished", "execution.timed_out")
+# An execution whose harness keeps stopping under it is given up (an infrastructure failure) after this many resumes.
+MAX_RESUMES = 3
+
+
+@dataclass(frozen=True)
+class Resume:
+    """How a restarted harness picks an execution up: its first `replay_calls` calls are answered from the log,
+    and the branches the log already announces (kind, call index, chain) are not announced again."""
+
+    replay_calls: int
+    announced: frozenset[tuple[str, int, str]]
 TOKEN_SECRET_VARIABLES = ("GYRE_HARNESS_GATEWAY_TOKEN_SECRET", "GYRE_ROLLOUT_TOKEN_SECRET")
 
 
@@ -180,10 +197,10 @@ class HarnessService(Service):
             effects.after_commit(_bind(self._launch, started, event))
         return effects
 
-    def _launch(self, started: ExecutionStarted, cause: Event) -> None:
+    def _launch(self, started: ExecutionStarted, cause: Event | None, resume: Resume | None = None) -> None:
         if started.execution_id in self._running:
             return
-        task = asyncio.ensure_future(self._run(started, cause))
+        task = asyncio.ensure_future(self._run(started, cause, resume))
         task.set_name(f"execution-{started.execution_id}")
         self._running[started.execution_id] = task
         task.add_done_callback(lambda _: self._running.pop(started.execution_id, None))
@@ -207,7 +224,7 @@ class HarnessService(Service):
             self.log.warning("call_account_unavailable", execution_id=execution_id, error=str(exc))
             return None
 
-    async def _run(self, started: ExecutionStarted, cause: Event) -> None:
+    async def _run(self, started: ExecutionStarted, cause: Event | None, resume: Resume | None = None) -> None:
         execution_id = started.execution_id
         stream = stream_id_for("execution", execution_id)
         loop = asyncio.get_running_loop()
@@ -218,6 +235,8 @@ class HarnessService(Service):
             token = derive_execution_token(self.token_secret(), execution_id)
 
             async def on_branched(branch: Branch) -> None:
+                if resume is not None and (branch.kind, branch.at_call_index, branch.chain) in resume.announced:
+                    return  # the agent redoing a replayed part: its predecessor announced this branch
                 await self._emit(
                     ExecutionBranched(
                         execution_id=execution_id, kind=branch.kind, at_call_index=branch.at_call_index,
@@ -245,6 +264,7 @@ class HarnessService(Service):
                     budget=budget,
                     backend=self.h.backend,
                     base_images=self._base_images,
+                    replay_calls=resume.replay_calls if resume is not None else 0,
                     observer=LoopObserver(loop, on_branched=on_branched, on_stopped=on_stopped,
                                           on_call_account=lambda: self._account_at_exit(execution_id)),
                 )
@@ -286,30 +306,41 @@ class HarnessService(Service):
     # ---- recovery ----
 
     async def recover(self) -> None:
-        """Executions this run started but never ended are timed out ('crash') and graded on what they left."""
+        """Executions this run started but never ended are resumed (a built-in agent, MAX_RESUMES times at
+        most); the others are timed out ('crash'), graded on what they left and marked infrastructure failures,
+        not trained: their end is the harness's, not the policy's. Ended but unscored ones are graded."""
         assert self.store is not None
         stages: dict[str, list[Any]] = {}
         started: dict[str, ExecutionStarted] = {}
         ends: dict[str, EventData] = {}
-        types = ["execution.started", *END_TYPES, "execution.scored"]
+        resumes: Counter[str] = Counter()
+        types = ["execution.started", *END_TYPES, "execution.scored", "execution.resumed"]
         for stored in await self.store.read_all(types=types, run_id=self.settings.run_id):
             data = stored.event.data
             if isinstance(data, ExecutionStarted):
                 started[data.execution_id] = data
             elif isinstance(data, (ExecutionFinished, ExecutionTimedOut)):
                 ends.setdefault(data.execution_id, data)
+            elif isinstance(data, ExecutionResumed):
+                resumes[data.execution_id] += 1
+                continue
             stage = {"execution.started": "started", "execution.scored": "scored"}.get(stored.event.type, "stopped")
             stages.setdefault(data.execution_id, []).append(stage)  # type: ignore[attr-defined]
         for action in recovery_actions(stages):
             s = started[action.execution_id]
             stream = stream_id_for("execution", s.execution_id)
+            crashed: str | None = None
             if action.mark_timed_out:
+                why_not = self._why_not_resumable(s, resumes[s.execution_id])
+                if why_not is None:
+                    await self._resume(s, attempt=resumes[s.execution_id] + 1)
+                    continue
+                crashed = f"the harness stopped mid-execution and {why_not}"
                 calls = await self.recorded_calls(s.execution_id)
                 await self._emit(ExecutionTimedOut(execution_id=s.execution_id, budget="crash", elapsed_s=0,
                                                    calls=calls), stream, None)
                 if calls == 0:
-                    # The harness went down before the agent's first model call: the workspace is as the task
-                    # left it, and its grade says nothing about the policy.
+                    # The workspace is as the task left it, and its grade says nothing about the policy.
                     await self._emit(self._zero_score(s, "the harness stopped before the first model call"),
                                      stream, None)
                     continue
@@ -326,16 +357,43 @@ class HarnessService(Service):
                 await self._emit(self._zero_score(s, f"grading after the crash failed: {type(exc).__name__}: {exc}"),
                                  stream, None)
                 continue
-            # Scored as the live path would have: by how the execution ended, when its end was recorded.
+            # Scored as the live path would have: by how the execution ended, when its end was recorded; one the
+            # harness's stop ended is graded for the record and not trained.
             end = ends.get(s.execution_id)
             finished = end if isinstance(end, ExecutionFinished) else None
+            infra = crashed or (finished.stop_reason if finished and finished.infra_failure else None)
             await self._emit(
                 ExecutionScored(execution_id=s.execution_id, query_id=s.query_id, reward=grade.score,
                                 tests_passed=grade.passed, tests_total=len(grade.tests), timed_out=finished is None,
-                                infra_failure=finished.stop_reason if finished and finished.infra_failure else None),
+                                infra_failure=infra),
                 stream, None,
             )
             self.log.info("recovered_execution", execution_id=s.execution_id, reward=grade.score)
+
+    def _why_not_resumable(self, started: ExecutionStarted, resumed: int) -> str | None:
+        """None when the execution can be resumed; else why not, as its infrastructure failure says it."""
+        harness = started.harness or self.h.harness
+        if harness != "builtin":
+            return f"a {harness} agent cannot be resumed (its process went with the harness)"
+        if resumed >= MAX_RESUMES:
+            return f"was resumed {resumed} times already"
+        return None
+
+    async def _resume(self, started: ExecutionStarted, *, attempt: int) -> None:
+        """Run the execution again from its start in a fresh workspace, its answered calls replayed from the log
+        (the agent redoes their commands), and go on live from there."""
+        assert self.store is not None
+        execution_id = started.execution_id
+        stream = stream_id_for("execution", execution_id)
+        stored = [item.event.data for item in await self.store.read_stream(stream)]
+        replay = call_account(stored).answered
+        announced = frozenset((d.kind, d.at_call_index, d.chain_id) for d in stored if isinstance(d, ExecutionBranched))
+        await self._emit(ExecutionResumed(execution_id=execution_id, replayed_calls=replay, attempt=attempt),
+                         stream, None)
+        # What the stopped agent left half done would be done twice: its commands run again from the start.
+        await asyncio.to_thread(shutil.rmtree, self.h.work_dir / execution_id, True)
+        self.log.info("execution_resumed", execution_id=execution_id, replayed_calls=replay, attempt=attempt)
+        self._launch(started, None, Resume(replay_calls=replay, announced=announced))
 
 
 def _bind(fn: Any, *args: Any) -> Any:

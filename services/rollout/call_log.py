@@ -72,6 +72,26 @@ class Placement:
     in_completion: bool = False  # the prompt leaves the head inside text the model generated
 
 
+@dataclass(frozen=True)
+class PastCall:
+    """A call the log holds, as a resumed agent's replay needs it: its prompt and completion ids and what its
+    answer carried."""
+
+    call_index: int
+    prompt: np.ndarray
+    completion: np.ndarray
+    call_id: str
+    finish_reason: str
+    policy_version: int
+
+
+@dataclass(frozen=True)
+class _CallFacts:
+    call_id: str
+    finish_reason: str
+    policy_version: int
+
+
 @dataclass
 class CallLog:
     """The full sequences of an execution's recorded calls, with each call's chain, prompt length and parent.
@@ -84,6 +104,16 @@ class CallLog:
     prompt_lens: list[int] = field(default_factory=list)
     parents: list[tuple[int | None, int]] = field(default_factory=list)  # (parent call, shared prefix) per call
     heads: dict[str, int] = field(default_factory=dict)  # chain id -> its latest call
+    facts: list[_CallFacts] = field(default_factory=list)  # per call: what its answer carried beyond its ids
+
+    def past(self, call_index: int) -> PastCall | None:
+        """Call `call_index` as recorded, or None when the log holds no such call."""
+        if not 0 <= call_index < len(self.sequences):
+            return None
+        sequence, prompt_len, facts = self.sequences[call_index], self.prompt_lens[call_index], self.facts[call_index]
+        return PastCall(call_index=call_index, prompt=sequence[:prompt_len], completion=sequence[prompt_len:],
+                        call_id=facts.call_id, finish_reason=facts.finish_reason,
+                        policy_version=facts.policy_version)
 
     @property
     def sequences(self) -> list[np.ndarray]:
@@ -138,18 +168,21 @@ class CallLog:
                 return False  # prompt tokens this call brought
             call = parent
 
-    def add(self, placement: Placement, prompt: np.ndarray, completion: np.ndarray) -> None:
+    def add(self, placement: Placement, prompt: np.ndarray, completion: np.ndarray, *, call_id: str = "",
+            finish_reason: str = "stop", policy_version: int = 0) -> None:
         if placement.call_index != len(self.sequences):
             raise ValueError(f"expected call_index {len(self.sequences)}, got {placement.call_index}")
         shared = placement.parent_prefix_len
         self.seqs.extend(placement.parent_call_index, shared, np.asarray(prompt[shared:], dtype=np.int32),
                          np.asarray(completion, dtype=np.int32))
-        self._note(placement.chain_id, len(prompt), placement.parent_call_index, shared)
+        self._note(placement.chain_id, len(prompt), placement.parent_call_index, shared,
+                   _CallFacts(call_id, finish_reason, policy_version))
 
-    def _note(self, chain_id: str, prompt_len: int, parent: int | None, shared: int) -> None:
+    def _note(self, chain_id: str, prompt_len: int, parent: int | None, shared: int, facts: _CallFacts) -> None:
         self.heads[chain_id] = len(self.prompt_lens)
         self.prompt_lens.append(prompt_len)
         self.parents.append((parent, shared))
+        self.facts.append(facts)
 
     @classmethod
     def from_records(cls, records: list[CallRecord]) -> CallLog:
@@ -157,7 +190,8 @@ class CallLog:
         log = cls()
         for record in sorted(records, key=lambda r: r.call_index):
             log.seqs.add(record)
-            log._note(record.chain_id, record.prompt_len, record.parent_call_index, record.parent_prefix_len)
+            log._note(record.chain_id, record.prompt_len, record.parent_call_index, record.parent_prefix_len,
+                      _CallFacts(record.call_id, record.finish_reason, record.policy_version))
         return log
 
 
@@ -267,6 +301,7 @@ __all__ = [
     "CallLog",
     "CompletedCall",
     "ExecutionSoFar",
+    "PastCall",
     "Placement",
     "RecordedCall",
     "build_events",

@@ -22,7 +22,7 @@ from services.rollout.api_types import ApiAdapter
 from services.rollout.errors import ApiError, invalid
 from services.rollout.gateway_core import GatewayCore
 from services.rollout.openai_api import OPENAI
-from shared.calls import CALL_INDEX_HEADER
+from shared.calls import CALL_INDEX_HEADER, REPLAY_HEADER
 from shared.logging import get_logger
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -71,6 +71,16 @@ async def _read_json(request: Request, max_body_bytes: int, body_timeout_s: floa
     return parsed
 
 
+def _replay_of(request: Request) -> int | None:
+    """The call index a resumed agent's request says it makes again (REPLAY_HEADER), if any."""
+    value = request.headers.get(REPLAY_HEADER)
+    if value is None:
+        return None
+    if not value.isdigit() or len(value) > 9:
+        raise invalid(f"{REPLAY_HEADER}: expected a call index (a non-negative integer), got {value[:40]!r}")
+    return int(value)
+
+
 def _error(adapter: ApiAdapter, exc: ApiError) -> JSONResponse:
     return JSONResponse(adapter.error_body(exc), status_code=exc.status, headers=exc.headers())
 
@@ -88,7 +98,7 @@ def create_app(core: GatewayCore, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTE
             execution_id = core.execution_of(_token(request))
             body = await _read_json(request, max_body_bytes, body_timeout_s)
             parsed = adapter.parse(body)
-            result = await core.complete(execution_id, parsed, api=adapter.api)
+            result = await core.complete(execution_id, parsed, api=adapter.api, replay_of=_replay_of(request))
         except ApiError as exc:
             if execution_id is None:
                 core.metrics.refused(adapter.api, kind=exc.kind, status=exc.status)

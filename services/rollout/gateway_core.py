@@ -29,6 +29,7 @@ from services.rollout.executions import (
 from services.rollout.protocol import SamplingSpec
 from services.rollout.recorder import CallRecorder, RecordingFailed
 from services.rollout.router import NoCapacity, Router, WorkerFailed
+from services.rollout.tito import PromptPlan
 from shared.chat import tool_call_regex
 from shared.events import ExecutionStarted
 from shared.logging import get_logger
@@ -145,14 +146,20 @@ class GatewayCore:
         except Exception as error:
             self.log.error("refusal_not_recorded", execution_id=execution_id, error=str(error))
 
-    async def complete(self, execution_id: str, parsed: ParsedRequest, *, api: Api) -> Completion:
+    async def complete(self, execution_id: str, parsed: ParsedRequest, *, api: Api,
+                       replay_of: int | None = None) -> Completion:
+        """Answer one call: generated and recorded, or, for a resumed agent's call `replay_of`, from the log."""
         state = self._state(execution_id)
         async with self._locks[execution_id]:
             if not state.settled:
                 await self._settle(execution_id, state)
-            check_budget(state)
             started = self.timer()
             plan = state.tito.plan(parsed.conversation, self.codec)
+            if replay_of is not None and (replayed := await self._replay(execution_id, state, plan, parsed,
+                                                                         replay_of)) is not None:
+                self.metrics.replayed.labels(api=api).inc()
+                return replayed
+            check_budget(state)
             prompt_len = len(plan.prompt)
             context = self.context_limit()
             room = context - prompt_len
@@ -233,6 +240,44 @@ class GatewayCore:
             # Only the OpenAI API shows tokens (its logprobs); decoding each token alone costs ~10 µs a token.
             token_texts=tuple(self.codec.token_texts(reply.completion)) if api == "openai" else (),
             call_index=recorded.placement.call_index,
+        )
+
+
+    async def _replay(self, execution_id: str, state: ExecutionState, plan: PromptPlan, parsed: ParsedRequest,
+                      call_index: int) -> Completion | None:
+        """A resumed agent's call `call_index`, answered as the log recorded it when its prompt is the recorded
+        one (the agent, deterministic, redoes what it did before its harness stopped): nothing is generated or
+        recorded and the call budget is not charged again. None, to serve it live, when the log holds no such
+        call or the prompt differs (a tool answered otherwise this time); the live call is then a fork."""
+        try:
+            past = await self.recorder.past_call(execution_id, call_index)
+        except Exception as exc:
+            raise ApiError("api_error", f"the execution's log could not be read: {exc}") from exc
+        if past is None or not np.array_equal(past.prompt, plan.prompt):
+            self.log.info("replay_diverged", execution_id=execution_id, call_index=call_index,
+                          recorded=past is not None)
+            return None
+        text = self.codec.decode(past.completion.tolist())
+        # The engine stopped at the first stop string it generated; the reply's text ends before it, as live.
+        found = [(text.index(s), s) for s in (parsed.sampling.stop or ()) if s in text]
+        stop_sequence = min(found)[1] if found and past.finish_reason == "stop" else None
+        if stop_sequence is not None:
+            text = text[: text.index(stop_sequence)]
+        message = reply_message(text)
+        state.tito.commit(plan, completion=past.completion, reply=message, codec=self.codec)
+        self.log.info("call_replayed", execution_id=execution_id, call_index=call_index, call_id=past.call_id)
+        return Completion(
+            call_id=past.call_id,
+            model=parsed.model,
+            reply=message,
+            tool_ids=tuple(f"toolu_{past.call_id[:20]}{i:02d}" for i in range(len(message.tool_calls))),
+            finish_reason=past.finish_reason,
+            stop_sequence=stop_sequence,
+            prompt_tokens=len(plan.prompt),
+            cached_tokens=0,
+            completion_tokens=len(past.completion),
+            policy_version=past.policy_version,
+            call_index=call_index,
         )
 
 

@@ -25,6 +25,9 @@ class GatewayMetrics:
                                 ["api", "kind", "status"], registry=r)
         self.latency = Histogram("gyre_gateway_call_seconds", "Seconds an answered call spent in the gateway, "
                                  "generation included.", ["api"], buckets=LATENCY_BUCKETS, registry=r)
+        self.replayed = Counter("gyre_gateway_replayed_calls",
+                                "Calls of resumed executions answered from the log (no generation), by API.", ["api"],
+                                registry=r)
         self.prompt_tokens = Counter("gyre_gateway_prompt_tokens", "Prompt tokens of answered calls.", registry=r)
         self.cached_tokens = Counter("gyre_gateway_cached_prompt_tokens",
                                      "Prompt tokens the engine served from its prefix cache or moved KV.", registry=r)

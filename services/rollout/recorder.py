@@ -20,6 +20,7 @@ from services.rollout.call_log import (
     CallLog,
     CompletedCall,
     ExecutionSoFar,
+    PastCall,
     Placement,
     RecordedCall,
     build_events,
@@ -60,6 +61,10 @@ class CallRecorder(Protocol):
 
     def forget(self, execution_id: str) -> None:
         """The execution ended: drop what is held for it (its calls still being written are written)."""
+        ...
+
+    async def past_call(self, execution_id: str, call_index: int) -> PastCall | None:
+        """Call `call_index` of the execution as the log holds it (None when it holds no such call)."""
         ...
 
 
@@ -194,7 +199,8 @@ class LoggedRecorder:
                     if isinstance(exc, RecordingFailed) or not isinstance(exc, Exception):
                         raise
                     raise RecordingFailed(call.execution_id, exc) from exc
-                read.log.add(placement, call.prompt, call.completion)
+                read.log.add(placement, call.prompt, call.completion, call_id=call.call_id,
+                             finish_reason=call.finish_reason, policy_version=call.policy_version)
                 read.so_far.answered(call.cell_id)
                 return recorded
         finally:
@@ -221,6 +227,16 @@ class LoggedRecorder:
         try:
             async with line.lock:
                 return replace((await self._read_for(execution_id, line)).so_far)
+        finally:
+            self._leave(execution_id, line)
+
+    async def past_call(self, execution_id: str, call_index: int) -> PastCall | None:
+        """From the line's read, which the calls recorded since have kept up to date (a resumed agent replays
+        its calls against the log a first call read)."""
+        line = self._enter(execution_id)
+        try:
+            async with line.lock:
+                return (await self._read_for(execution_id, line)).log.past(call_index)
         finally:
             self._leave(execution_id, line)
 

@@ -68,7 +68,7 @@ class SyntheticExecution:
         self.events.append(event)
         return event
 
-    def start(self, policy_version: int = 0) -> Event:
+    def start(self, policy_version: int = 0, harness: str = "builtin") -> Event:
         return self._emit(
             ExecutionStarted(
                 execution_id=self.execution_id,
@@ -79,6 +79,7 @@ class SyntheticExecution:
                 seed=self.seed,
                 step=self.step,
                 policy_version=policy_version,
+                harness=harness,
             )
         )
 

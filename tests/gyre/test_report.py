@@ -96,6 +96,18 @@ def test_executions_infrastructure_ended_are_counted_but_kept_out_of_the_reward_
     assert "1 ended by infrastructure" in summary_lines(report)[0]
 
 
+def test_executions_a_restarted_harness_resumed_are_counted_with_the_calls_it_replayed():
+    from shared.events import ExecutionResumed
+
+    events = run_events()
+    events += [ev(ExecutionResumed(execution_id="e1", replayed_calls=3, attempt=1), 52),
+               ev(ExecutionResumed(execution_id="e1", replayed_calls=5, attempt=2), 53)]
+    report = build_report("r", events)
+    assert (report.resumed_executions, report.replayed_calls) == (2, 8)
+    assert "2 resumed after a harness stop (8 calls replayed)" in summary_lines(report)[0]
+    assert report.steps[1].mean_reward == 0.875  # a resume changes no score
+
+
 def test_an_elastic_run_reports_roles_and_world_size_per_step_and_each_switch_with_its_phases(tmp_path):
     from shared.events import CellDrained, CellDraining, CellReleased, GroupFormed, KvMigrated, RankStepped
 

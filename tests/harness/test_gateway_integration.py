@@ -337,3 +337,65 @@ def test_an_external_harness_whose_token_the_gateway_does_not_know_fails_on_the_
     assert [e for e in stack.recorder.events if e.stream_id == stream_id_for("execution", "execution-gw-secret")] == []
     assert result.stopped.status == "error" and result.stopped.infra_failure
     assert result.stopped.stop_reason == "exit 1 before the gateway recorded any model call of it"
+
+
+def steps_stack(*commands: str) -> Any:
+    """A gateway whose engine asks for each shell command in turn, one per tool result the prompt holds, then
+    for a submit."""
+    steps = [*(format_tool_call("shell", {"command": c}) for c in commands), format_tool_call("submit", {"answer": "done"})]
+    codec = fakes.CharCodec()
+
+    def script(prompt: list[int]) -> str:
+        return steps[min(codec.decode(prompt).count("</tool_response>"), len(steps) - 1)]
+
+    return fakes.build_stack([fakes.ScriptedEngine(codec, script, max_model_len=65536)], codec)
+
+
+def _resumable_run(stack: Any, base_url: str, execution_id: str, state_dir: Path, backend: str, *,
+                   max_calls: int, replay_calls: int = 0) -> Any:
+    return run_execution(
+        execution_id=execution_id, task=load_task(TASKS / "create-file-1"),
+        harness=BuiltinHarness(agent=AgentConfig(model="tiny", sdk_max_retries=0)),
+        gateway=GatewayAccess(base_url=base_url, token=token_of(execution_id), model="tiny"),
+        state_dir=state_dir, backend=backend, budget=Budget(max_calls=max_calls), replay_calls=replay_calls,
+    )
+
+
+def test_a_resumed_agent_replays_its_answered_calls_from_the_log_then_goes_on_live(tmp_path: Path,
+                                                                                    best_backend: str) -> None:
+    """The harness stopped after two answered calls (here: a call budget of two ends the first loop there). A
+    loop resumed in a fresh sandbox makes those two calls again, answered from the log without generating,
+    redoes their commands, and goes on live: the log holds each call once and the work is done once."""
+    stack = steps_stack("printf 'hello ' > hello.txt", "printf 'world\\n' >> hello.txt")
+    with Served(stack.app) as base_url:
+        first = _resumable_run(stack, base_url, "execution-resume-1", tmp_path / "first", best_backend, max_calls=2)
+        assert first.agent is not None and first.agent.status != "submitted"
+        assert len(stack.engines[0].prompts) == 2
+        resumed = _resumable_run(stack, base_url, "execution-resume-1", tmp_path / "resumed", best_backend,
+                                 max_calls=5, replay_calls=2)
+    assert resumed.agent is not None and resumed.agent.status == "submitted", resumed.agent
+    assert len(stack.engines[0].prompts) == 3, "only the call after the replayed ones was generated"
+    recorded = stack.recorder.calls("execution-resume-1")
+    assert [c.call_index for c in recorded] == [c.index for c in resumed.agent.call_log] == [0, 1, 2]
+    assert [c.parent_call_index for c in recorded] == [None, 0, 1] and {c.chain_id for c in recorded} == {"main"}
+    assert (tmp_path / "resumed" / "work" / "hello.txt").read_text() == "hello world\n"
+    assert resumed.grade.score == 1.0
+    assert stack.core.metrics.replayed.labels(api="anthropic")._value.get() == 2
+
+
+def test_a_replay_whose_prompt_differs_is_served_live_as_a_fork(tmp_path: Path, best_backend: str) -> None:
+    """A command that answers otherwise the second time (the time of day) changes the next prompt: that call is
+    not the recorded one, so the gateway generates it, recorded after the earlier calls as a branch."""
+    stack = steps_stack("date +%s%N", "printf 'hello world\\n' > hello.txt")
+    with Served(stack.app) as base_url:
+        _resumable_run(stack, base_url, "execution-resume-2", tmp_path / "first", best_backend, max_calls=2)
+        resumed = _resumable_run(stack, base_url, "execution-resume-2", tmp_path / "resumed", best_backend,
+                                 max_calls=6, replay_calls=2)
+    assert resumed.agent is not None and resumed.agent.status == "submitted", resumed.agent
+    recorded = stack.recorder.calls("execution-resume-2")
+    assert [c.call_index for c in recorded] == [0, 1, 2, 3]
+    # A branch off call 1 (its prompt shares call 1's up to the differing output), not a continuation of it.
+    assert recorded[2].branch_hint not in (None, "continuation") and recorded[2].parent_call_index == 1
+    assert [c.index for c in resumed.agent.call_log] == [0, 2, 3]
+    assert len(stack.engines[0].prompts) == 4  # calls 0 and 1, then the diverged call and the submit
+    assert resumed.grade.score == 1.0

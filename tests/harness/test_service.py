@@ -116,7 +116,9 @@ async def test_a_dispatched_query_runs_its_group_and_scores_each_execution(store
 async def recover_crashed(store, bus, infra, tmp_path, run_id: str,
                           executions: dict[str, tuple[bool, int]]) -> list:
     """What a harness that died left: `executions` maps each execution id to (its workspace holds the answer,
-    model calls it made). A fresh service recovers them; returns the run's events once each is ended and scored."""
+    model calls it made). Each ran Claude Code, whose process went with the harness, so it cannot be resumed (a
+    built-in one is: tests/harness/test_resume.py). A fresh service recovers them; returns the run's events once
+    each is ended and scored."""
     from services.trajectory.synthetic import SyntheticExecution
 
     server = gateway([])
@@ -127,7 +129,7 @@ async def recover_crashed(store, bus, infra, tmp_path, run_id: str,
             (work / eid / "work" / "hello.txt").write_text("hello world\n")
         log = SyntheticExecution(eid, query_id=eid.rsplit("-", 1)[0], run_id=run_id, task_id="create-file-1",
                                  group_size=len(executions), sample_index=i, seed=i)
-        log.start()
+        log.start(harness="claude-code")
         prompt = [1, 2, 3]
         for c in range(calls):
             log.call(prompt, [4 + c])
@@ -156,9 +158,10 @@ async def test_restart_marks_unfinished_executions_timed_out_and_grades_preserve
     scored = {e.data.execution_id: e.data for e in events if e.type == "execution.scored"}
     assert scored[done_id].reward == 1.0 and scored[done_id].timed_out
     assert scored[empty_id].reward == 0.0
-    # Graded preserved work is a policy outcome; an execution that made no model call is not (whatever its
-    # untouched workspace would score).
-    assert scored[done_id].infra_failure is None
+    # Graded for the record, but the harness ended it, not the policy: an infrastructure failure, not trained
+    # (and one that made no model call scores 0 whatever its untouched workspace would score).
+    assert scored[done_id].infra_failure == ("the harness stopped mid-execution and a claude-code agent cannot be "
+                                             "resumed (its process went with the harness)")
     for eid in (empty_id, uncalled_id):
         assert scored[eid].reward == 0.0 and scored[eid].infra_failure == "the harness stopped before the first model call"
 
@@ -357,4 +360,35 @@ async def test_recovery_scores_an_execution_it_cannot_grade_and_goes_on(store, b
                                    {"qg-s0": (True, 1), "qg-s1": (True, 1)})
     scored = {e.data.execution_id: e.data for e in events if e.type == "execution.scored"}
     assert scored["qg-s0"].reward == 0.0 and "no free sandbox uid" in scored["qg-s0"].infra_failure
-    assert scored["qg-s1"].reward == 1.0 and scored["qg-s1"].infra_failure is None
+    assert scored["qg-s1"].reward == 1.0 and "the harness stopped mid-execution" in scored["qg-s1"].infra_failure
+
+
+async def test_an_execution_resumed_too_often_is_given_up_as_an_infrastructure_failure(store, bus, infra, tmp_path):
+    """A built-in execution is resumed after each harness stop, MAX_RESUMES times at most: a harness that keeps
+    stopping under it ends it as an infrastructure failure (graded for the record, not trained)."""
+    from services.harness.service import MAX_RESUMES
+    from services.trajectory.synthetic import SyntheticExecution
+    from shared.events import ExecutionResumed
+
+    run_id, eid = unique("run-"), "qr-s0"
+    (tmp_path / "executions" / eid / "work").mkdir(parents=True)
+    (tmp_path / "executions" / eid / "work" / "hello.txt").write_text("hello world\n")
+    log = SyntheticExecution(eid, query_id="qr", run_id=run_id, task_id="create-file-1", group_size=1,
+                             sample_index=0, seed=0)
+    log.start()
+    log.call([1, 2, 3], [4])
+    for attempt in range(1, MAX_RESUMES + 1):
+        log._emit(ExecutionResumed(execution_id=eid, replayed_calls=1, attempt=attempt))
+    await store.append(log.events)
+    server = gateway([])
+    svc = service(infra, store, bus, tmp_path, server, run_id)
+    try:
+        await svc.start()
+        events = await wait_for_types(store, run_id, {"execution.timed_out": 1, "execution.scored": 1})
+    finally:
+        await svc.stop()
+        server.stop()
+    assert sum(e.type == "execution.resumed" for e in events) == MAX_RESUMES  # no further attempt
+    (scored,) = [e.data for e in events if e.type == "execution.scored"]
+    assert scored.reward == 1.0
+    assert scored.infra_failure == f"the harness stopped mid-execution and was resumed {MAX_RESUMES} times already"

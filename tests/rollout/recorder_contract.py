@@ -144,6 +144,24 @@ class CallRecorderContract:
         so_far = await self.recorder(storage).recall(EXECUTION)
         assert so_far.ended and so_far.calls == 4
 
+    async def test_past_calls_are_read_back_as_recorded_by_the_recorder_and_after_a_restart(self, storage) -> None:
+        """What a resumed agent's replay reads: each call's prompt and completion ids, id, finish and version,
+        from the recorder that wrote them and from one that restarted over the same log; none past the log."""
+        calls = successive_calls(3)
+        recorder = self.recorder(storage)
+        for call in calls[:2]:
+            await recorder.record(call)
+        for reader in (recorder, self.recorder(storage)):
+            for call in calls[:2]:
+                past = await reader.past_call(EXECUTION, int(call.call_id[1:]))
+                assert past is not None and past.call_id == call.call_id
+                assert np.array_equal(past.prompt, call.prompt) and np.array_equal(past.completion, call.completion)
+                assert (past.finish_reason, past.policy_version) == ("stop", 2)
+            assert await reader.past_call(EXECUTION, 2) is None and await reader.past_call(EXECUTION, -1) is None
+        await recorder.record(calls[2])
+        past = await recorder.past_call(EXECUTION, 2)
+        assert past is not None and np.array_equal(past.prompt, calls[2].prompt)
+
     async def test_a_restart_continues_the_indices_and_chain_heads_of_every_chain(self, storage) -> None:
         recorder = self.recorder(storage)
         main0 = _call(0, np.arange(10, 30, dtype=np.int32), np.arange(500, 505, dtype=np.int32))

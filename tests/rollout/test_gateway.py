@@ -627,3 +627,25 @@ async def test_metrics_count_answered_and_refused_calls_tokens_and_live_executio
                        (("api", "anthropic"), ("kind", "authentication_error"), ("status", "401")): 1}
     assert samples[("gyre_gateway_live_executions", ())] == 1
     assert samples[("gyre_gateway_live_workers", ())] == 1
+
+
+async def test_a_replayed_call_is_answered_from_the_log_and_a_bad_or_unknown_one_is_not(stack) -> None:
+    """REPLAY_HEADER: the same call made again (a resumed agent) gets the recorded reply with no generation and
+    nothing recorded; an index the log does not hold is served live; a malformed index is a 400, refused."""
+    from shared.calls import REPLAY_HEADER
+
+    client = stack.anthropic(stack.token("exec-replay"))
+    request = {"model": "tiny", "max_tokens": 200, "tools": [BASH], "messages": [{"role": "user", "content": "hi"}]}
+    first = await client.messages.with_raw_response.create(**request)
+    again = await client.messages.with_raw_response.create(**request, extra_headers={REPLAY_HEADER: "0"})
+    assert again.headers[CALL_INDEX_HEADER] == first.headers[CALL_INDEX_HEADER] == "0"
+    original, replayed = await first.parse(), await again.parse()
+    assert [b.model_dump() for b in replayed.content] == [b.model_dump() for b in original.content]
+    assert replayed.usage.output_tokens == original.usage.output_tokens
+    assert len(stack.engines[0].prompts) == 1 and len(stack.recorder.calls("exec-replay")) == 1
+    # Not in the log: generated and recorded as the next call.
+    unknown = await client.messages.with_raw_response.create(**request, extra_headers={REPLAY_HEADER: "7"})
+    assert unknown.headers[CALL_INDEX_HEADER] == "1" and len(stack.recorder.calls("exec-replay")) == 2
+    with pytest.raises(anthropic.BadRequestError, match=REPLAY_HEADER):
+        await client.messages.create(**request, extra_headers={REPLAY_HEADER: "-1"})
+    assert stream_types(stack, "exec-replay")[-1] == "call.refused"
