@@ -100,6 +100,11 @@ async def test_killing_trajectory_harness_and_trainer_mid_run_loses_and_repeats_
     assert all(started[q] == GROUP for q in queries), (queries, started)
     scored = Counter(e.data.execution_id for e in events if e.type == "execution.scored")
     assert set(scored.values()) == {1}
+    # The executions the harness was running when killed were resumed by its successor, not lost to the crash.
+    print("resumed:", [(e.data.execution_id, e.data.replayed_calls) for e in events if e.type == "execution.resumed"])
+    assert not [e.data for e in events if e.type == "execution.scored" and e.data.infra_failure
+                and "harness stopped" in e.data.infra_failure]
+    assert not [e for e in events if e.type == "execution.timed_out" and e.data.budget == "crash"]
     trained_queries = [q for e in events if e.type == "batch.ready" for q in e.data.query_ids]
     assert len(trained_queries) == len(set(trained_queries)), "a query was trained in two batches"
 
