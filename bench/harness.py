@@ -1,4 +1,5 @@
-"""Per-command overhead of the process sandbox vs a plain subprocess, measured in the same run.
+"""Per-command overhead of the sandbox backends (bubblewrap, unshare, and Docker where an engine answers) vs a plain
+subprocess, measured in the same run.
 
 Runs the same short commands (`true`, a small file write) N times each way; the last stdout line is JSON:
 {"bench": "harness", "plain_exec_s": ..., "sandbox_exec_s": ..., "overhead_ratio": ..., "<backend>_overhead_s": ...}
@@ -68,8 +69,12 @@ def main() -> None:
     backends = available_backends()
     if not backends:
         raise SystemExit("no process sandbox backend works here (needs root and bwrap or unshare)")
+    from services.harness.docker_sandbox import docker_engine_available
+
+    # Docker too where an engine answers (deploy/docker-engine.sh): a fresh container per command.
+    measured = [*backends, *(["docker"] if docker_engine_available() else [])]
     with tempfile.TemporaryDirectory(prefix="gyre-bench-") as tmp:
-        samples = measure(Path(tmp), list(backends), args.n)
+        samples = measure(Path(tmp), measured, args.n)
     plain_s = statistics.median(samples.pop("plain"))
     per_backend = samples
     report: dict[str, object] = {"bench": "harness", "n": args.n, "backend": backends[0]}

@@ -7,14 +7,12 @@ import json
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from services.harness.agent_core import AgentConfig, Branch, Budget
 from services.harness.call_account import CallAccount, call_account
-from services.harness.execution import BuiltinHarness, Harness, run_execution
-from services.harness.external_harness import ExternalHarness, GatewayAccess, claude_code
 from services.harness.outcomes import AgentStopped
 from services.harness.sandbox_spec import SandboxError
 from services.harness.sandboxes import BACKEND_NAMES
@@ -24,6 +22,9 @@ from services.harness.taskrun import check_with_solution
 from services.harness.tasks import Task, TaskFormatError, load_task, scan_tasks
 from shared.events import stream_id_for
 from shared.execution_tokens import derive_execution_token, execution_named_by, execution_of_token
+
+if TYPE_CHECKING:
+    from services.harness.execution import Harness
 
 harness_app = typer.Typer(help="Tasks, sandboxes and executions of the harness service.", no_args_is_help=True)
 
@@ -212,6 +213,10 @@ def run_cmd(
     backend: Backend = "auto",
 ) -> None:
     """Run one execution of a task against a gateway and print the outcome and score."""
+    # The agent and its SDK load here, not with the CLI: `--help` answers without them.
+    from services.harness.execution import BuiltinHarness, run_execution
+    from services.harness.external_harness import ExternalHarness, GatewayAccess, claude_code
+
     task = _load(task_dir)
     chosen: Harness
     match harness:

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import typer
 
-from services.rollout.service import main
-
 rollout_app = typer.Typer(help="Rollout gateway and workers.", no_args_is_help=True)
 
 
 @rollout_app.command()
 def worker() -> None:
     """A rollout worker for one cell (GYRE_ROLLOUT_CELL_ID), wrapping a vLLM engine."""
+    from services.rollout.service import main  # the service and its engine load here: `--help` answers without
+
     main(["worker"])
 
 
 @rollout_app.command()
 def gateway() -> None:
     """The Anthropic / OpenAI gateway (GYRE_ROLLOUT_PORT) in front of the workers."""
+    from services.rollout.service import main
+
     main(["gateway"])

@@ -7,11 +7,6 @@ from pathlib import Path
 
 import typer
 
-from services.trainer.distributed import GroupSpec
-from services.trainer.engine import StepAlreadyTrained, TrainerConfig
-from services.trainer.loss import GspoConfig
-from services.trainer.runner import SftOptions, run_sft, run_step
-
 train_app = typer.Typer(help="Train: supervised warm-start and GSPO steps (FSDP2 over the train cells).")
 
 
@@ -27,6 +22,11 @@ def sft(
     precision: str = typer.Option("auto", help="auto, fp32 or bf16"),
 ) -> None:
     """Cross-entropy on assistant turns, tree-packed, sharded over RANK/WORLD_SIZE (torchrun) or one process."""
+    # torch loads here, not with the CLI: `--help` answers without it.
+    from services.trainer.distributed import GroupSpec
+    from services.trainer.engine import TrainerConfig
+    from services.trainer.runner import SftOptions, run_sft
+
     history = run_sft(
         model,
         data,
@@ -53,6 +53,11 @@ def run_step_cmd(
     precision: str = typer.Option("auto"),
 ) -> None:
     """Resume from the latest checkpoint, train one GSPO step on the batch, checkpoint; prints the metrics."""
+    from services.trainer.distributed import GroupSpec
+    from services.trainer.engine import StepAlreadyTrained, TrainerConfig
+    from services.trainer.loss import GspoConfig
+    from services.trainer.runner import run_step
+
     config = TrainerConfig(
         lr=lr,
         precision=precision,  # type: ignore[arg-type]

@@ -142,3 +142,20 @@ def test_the_top_level_help_lists_every_group_without_importing_the_services():
     assert "IMPORTED []" in out.stdout
     replay = gyre("replay", "--help", env={**clean_env(), "COLUMNS": "200"})
     assert replay.returncode == 0 and "--verify" in replay.stdout
+
+
+@pytest.mark.parametrize("group", ["sim", "replay", "train", "harness", "rollout", "scheduler", "run"])
+def test_a_groups_help_imports_no_engine_sdk_or_trainer(group: str) -> None:
+    """`gyre <group> --help` mounts the group and answers without torch, vLLM or the agent's SDK: their imports
+    (seconds) happen in the commands that use them (bench/cli_help.py times every --help)."""
+    from gyre.cli import LAZY_GROUPS
+
+    assert group in LAZY_GROUPS
+    probe = (f"import sys, runpy; sys.argv = ['gyre', {group!r}, '--help']\n"
+             "try:\n    runpy.run_module('gyre.cli', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+             "print('IMPORTED', sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'vllm', 'anthropic', "
+             "'transformers'}))")
+    out = subprocess.run([sys.executable, "-c", probe], env={**clean_env(), "COLUMNS": "200"},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "IMPORTED []" in out.stdout, out.stdout[-500:]
