@@ -35,7 +35,15 @@ from gyre.config import ConfigError, RunConfig, dump, environment, load_config, 
 from gyre.run_plan import LEARNABLE_FAMILIES, RunPlan, plan_run
 from gyre.report import build_report, summary_lines
 from gyre.report_plots import write_report
-from gyre.processes import Proc, ServiceKeptDying, restart, service_processes, start_all, stop_all
+from gyre.processes import (
+    Proc,
+    ServiceKeptDying,
+    restart,
+    serve_metrics,
+    service_processes,
+    start_all,
+    stop_all,
+)
 from shared.events import (
     CellAssigned,
     CellReady,
@@ -282,6 +290,7 @@ class RunRecord:
 
 RUN_RECORD = "run.json"
 RUN_CONFIG = "config.yaml"
+METRICS_TARGETS = "metrics-targets.json"  # every process's /metrics, as Prometheus's file_sd_configs reads it
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -392,6 +401,9 @@ def _run(config: RunConfig, plan: RunPlan, run_id: str, run_dir: Path, record: R
         more_gateway_ports=more_gateways,
     )
     procs = service_processes(sys.executable, more_gateway_ports=more_gateways)
+    # Every process serves /metrics on a port of its own; Prometheus reads where from this file (file_sd).
+    targets = serve_metrics(procs, env, [local.free_port() for _ in procs])
+    (run_dir / METRICS_TARGETS).write_text(json.dumps(targets, indent=1))
     # The services run in their own sessions (a Ctrl-C in the terminal reaches only this process), so a
     # SIGTERM or SIGHUP to `gyre run` must stop them as Ctrl-C does.
     previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}

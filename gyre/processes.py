@@ -65,6 +65,24 @@ def service_processes(python: str, *, more_gateway_ports: Sequence[int] = ()) ->
     ]
 
 
+def serve_metrics(procs: Sequence[Proc], env: dict[str, str], ports: Sequence[int]) -> list[dict[str, object]]:
+    """Give each process a health port of its own (`/health`, `/metrics`: shared/metrics.py) and return the
+    run's scrape targets in Prometheus's file_sd form: one per process, and one per cell process (a cell's
+    rollout worker on GYRE_CELL_HEALTH_PORT_BASE + i, its trainer rank on base + cells + i)."""
+    host = env.get("GYRE_HEALTH_HOST", "127.0.0.1").replace("0.0.0.0", "127.0.0.1")
+    targets: list[dict[str, object]] = []
+    for proc, port in zip(procs, ports, strict=True):
+        proc.env["GYRE_HEALTH_PORT"] = str(port)
+        targets.append({"targets": [f"{host}:{port}"], "labels": {"job": "gyre", "service": proc.name}})
+    base, cells = int(env.get("GYRE_CELL_HEALTH_PORT_BASE", "0")), int(env.get("GYRE_CELL_COUNT", "0"))
+    if base:
+        for i in range(cells):
+            for role, port in (("rollout", base + i), ("train", base + cells + i)):
+                targets.append({"targets": [f"{host}:{port}"],
+                                "labels": {"job": "gyre", "service": f"cell-{role}", "cell": str(i)}})
+    return targets
+
+
 def start_all(procs: list[Proc], env: dict[str, str], log_dir: Path) -> None:
     log_dir.mkdir(parents=True, exist_ok=True)
     for proc in procs:

@@ -63,7 +63,7 @@ class RunPlan:
                                            f"{c.demo_format()} demonstrations")
         out.append(f"optimise   lr {c.optim.lr:g}, clip [{c.optim.eps_low:g}, {c.optim.eps_high:g}], "
                    f"IS cap {c.optim.is_cap:g}; warm start {warm}")
-        out.append(f"outputs    {run_dir}/ (logs/, checkpoints/, report.json)")
+        out.append(f"outputs    {run_dir}/ (logs/, checkpoints/, report.json, metrics-targets.json)")
         out += [f"left out   {task_id}: {reason}" for task_id, reason in self.left_out.items()]
         out += ["processes"] + [f"  {p}" for p in self.processes]
         if self.sources:

@@ -9,6 +9,7 @@ import asyncio
 import json
 import re
 import uuid
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -57,6 +58,7 @@ class Bus:
         self.kv_objects = ObjectStore(js, f"{self._stream_prefix}-kv".lower(), ttl_s=KV_OBJECT_TTL_S)
         self._acks_subject: str | None = None
         self._pending_acks: dict[str, _PendingAcks] = {}
+        self.dead_letters: Counter[str] = Counter()  # what this connection dead-lettered, by consumer
 
     @classmethod
     async def connect(
@@ -256,6 +258,7 @@ class Bus:
             DLQ_DELIVERIES: deliveries,
         }
         await self.js.publish(self.dlq_subject(consumer), msg.data, headers=headers)
+        self.dead_letters[consumer] += 1
         log.warning("dead_lettered", consumer=consumer, subject=msg.subject, reason=reason[:300])
 
     async def read_dead_letters(self, consumer: str, *, timeout: float = 1.0) -> list[tuple[bytes, dict[str, str]]]:

@@ -43,6 +43,7 @@ from shared.bus import Bus, ConsumerOptions, JetStreamConsumer
 from shared.effects import Effects
 from shared.events import Event, EventData, new_event
 from shared.logging import configure_logging, get_logger
+from shared.metrics import ServiceMetrics
 from shared.objects import ObjectBlobStore
 from shared.settings import Settings, load_settings
 from shared.store import EventStore
@@ -84,6 +85,8 @@ class Service:
         self.started_at = time.monotonic()
         self.processed = 0
         self.skipped_other_runs = 0
+        self.metrics = ServiceMetrics(self.name, health=self._health_answer, healthy=self._healthy,
+                                      dead_letters=lambda: dict(self.bus.dead_letters) if self.bus else {})
 
     # ---- hooks for subclasses ----
 
@@ -156,7 +159,7 @@ class Service:
                 self.spawn(consumer.run(self._exactly_once(durable, handler), self.stop_event), name=consumer.name)
         if self.settings.health_port:
             self._health_server = await asyncio.start_server(
-                self._serve_health, "127.0.0.1", self.settings.health_port
+                self._serve_health, self.settings.health_host, self.settings.health_port
             )
         self.log.info("service_started", handlers=[t for _, t, _, _ in self._handlers])
 
@@ -203,14 +206,21 @@ class Service:
                 self.skipped_other_runs += 1
                 return
             if await self.store.is_processed(consumer, event.event_id):
+                self.metrics.duplicates.labels(consumer=consumer).inc()
                 return
+            started = time.perf_counter()
             effects = await handler(event)  # outside any transaction: a step may take minutes
             async with self.store.transaction() as tx:
                 if not await tx.mark_processed(consumer, event.event_id):
+                    self.metrics.duplicates.labels(consumer=consumer).inc()
                     return  # another delivery recorded it meanwhile: these effects are dropped
                 if effects:
                     tx.record(effects)
             self.processed += 1
+            self.metrics.handled.labels(consumer=consumer, type=event.type).inc()
+            self.metrics.handler_seconds.labels(consumer=consumer).observe(time.perf_counter() - started)
+            if effects:
+                self.metrics.recorded(e for append in effects.appends for e in append.events)
 
         return handle
 
@@ -219,6 +229,7 @@ class Service:
         assert self.store is not None
         async with self.store.transaction() as tx:
             tx.record(effects)
+        self.metrics.recorded(e for append in effects.appends for e in append.events)
 
     def event(
         self,
@@ -243,24 +254,37 @@ class Service:
     async def emit(self, events: Sequence[Event], *, expected_version: int | str | None = "any") -> list[int]:
         """Append to the event log; the outbox relay publishes them to JetStream."""
         assert self.store is not None
-        return await self.store.append(events, expected_version=expected_version)  # type: ignore[arg-type]
+        versions = await self.store.append(events, expected_version=expected_version)  # type: ignore[arg-type]
+        self.metrics.recorded(events)
+        return versions
 
     # ---- health ----
 
+    def _healthy(self) -> bool:
+        return (self.bus is not None and self.bus.nc.is_connected and not self.stop_event.is_set()
+                and not self.failed_tasks)
+
+    def _health_answer(self) -> dict[str, Any]:
+        return {"processed": self.processed, "failed_tasks": self.failed_tasks,
+                "uptime_s": round(time.monotonic() - self.started_at, 1), **self.health()}
+
     async def _serve_health(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """`GET /metrics`: the service's Prometheus metrics (shared/metrics.py); any other request: its health,
+        JSON, 200 when healthy and 503 when not."""
         try:
-            await reader.readuntil(b"\r\n\r\n")
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError):
-            pass
-        ok = (self.bus is not None and self.bus.nc.is_connected and not self.stop_event.is_set()
-              and not self.failed_tasks)
-        body = json.dumps(
-            {"service": self.name, "ok": ok, "processed": self.processed, "failed_tasks": self.failed_tasks,
-             "uptime_s": round(time.monotonic() - self.started_at, 1), **self.health()}
-        ).encode()
-        status = b"200 OK" if ok else b"503 Service Unavailable"
+            request = await reader.readuntil(b"\r\n\r\n")
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
+            request = exc.partial if isinstance(exc, asyncio.IncompleteReadError) else b""
+        path = request.split(b"\r\n", 1)[0].split(b" ")[1:2]
+        if path and path[0].split(b"?")[0] == b"/metrics":
+            self.metrics.failed_tasks.set(len(self.failed_tasks))
+            body, status, content_type = self.metrics.exposition(), b"200 OK", self.metrics.content_type.encode()
+        else:
+            ok = self._healthy()
+            body = json.dumps({"service": self.name, "ok": ok, **self._health_answer()}).encode()
+            status, content_type = (b"200 OK" if ok else b"503 Service Unavailable"), b"application/json"
         writer.write(
-            b"HTTP/1.1 " + status + b"\r\nContent-Type: application/json\r\nContent-Length: "
+            b"HTTP/1.1 " + status + b"\r\nContent-Type: " + content_type + b"\r\nContent-Length: "
             + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body
         )
         await writer.drain()

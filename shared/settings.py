@@ -57,6 +57,9 @@ class Settings(BaseSettings):
     # Models and health.
     model_dir: Path | None = None
     health_port: int = 0
+    # Where the health and /metrics endpoint listens: loopback by default; 0.0.0.0 where an orchestrator or a
+    # Prometheus on another host scrapes it (compose, Kubernetes).
+    health_host: str = "127.0.0.1"
     mode: Literal["elastic", "async", "colocate"] = "async"
 
     @classmethod

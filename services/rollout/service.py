@@ -392,6 +392,7 @@ class RolloutGatewayService(Service):
             model_name=r.model_name,
             max_reply_tokens=r.max_reply_tokens,
         )
+        self.metrics.also(self.core.metrics.registry)  # its call metrics on the health port too
         app = create_app(self.core, max_body_bytes=r.max_body_bytes, body_timeout_s=r.body_timeout_s)
         configs = [uvicorn.Config(app, host=r.host, port=r.port, log_level="warning", lifespan="off")]
         if r.uds:
