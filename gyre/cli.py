@@ -230,9 +230,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
     from gyre.config import ConfigError
     from gyre.tinymodel import TinyModelError
+    from gyre.trackers import TrackerUnavailable
     from shared.settings import SettingsError
 
-    return (SettingsError, ConfigError, ValidationError, local.LocalInfraError, TinyModelError, FileNotFoundError)
+    return (SettingsError, ConfigError, ValidationError, local.LocalInfraError, TinyModelError, FileNotFoundError,
+            TrackerUnavailable)
 
 
 def _export_endpoints() -> None:

@@ -122,6 +122,11 @@ class LoggingSection(_Section):
     runs_dir: Path = Path("runs")  # runs/<run_id>/: logs, checkpoints, report
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     timeout_s: float = Field(default=3600.0, gt=0)  # the launcher gives up after this
+    # Experiment trackers that get each step's metrics (the report's names) and the run's config: none, or any of
+    # wandb and tensorboard (the `trackers` extra installs them; gyre/trackers.py).
+    trackers: list[Literal["wandb", "tensorboard"]] = Field(default_factory=list)
+    wandb_project: str = "gyre"
+    wandb_mode: Literal["offline", "online"] = "offline"  # offline: files under the run folder, no network
 
 
 class RunConfig(_Section):
@@ -202,7 +207,7 @@ VARIABLES: dict[str, tuple[str, ...]] = {
     "optim.drop_zero_variance": ("GYRE_DROP_ZERO_VARIANCE",),
     "logging.level": ("GYRE_LOG_LEVEL",),
 }
-LIST_SETTINGS = frozenset({"tasks.train", "tasks.held_out"})
+LIST_SETTINGS = frozenset({"tasks.train", "tasks.held_out", "logging.trackers"})
 
 
 def leaves(model: type[BaseModel], prefix: str = "") -> Iterator[str]:

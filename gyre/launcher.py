@@ -34,6 +34,7 @@ from gyre import local
 from gyre.config import ConfigError, RunConfig, dump, environment, load_config, parse_sets
 from gyre.run_plan import LEARNABLE_FAMILIES, RunPlan, plan_run
 from gyre.report import build_report, summary_lines
+from gyre.trackers import Trackers
 from gyre.report_plots import write_report
 from gyre.processes import (
     Proc,
@@ -143,7 +144,7 @@ def loop_environment(
 
 async def _watch(
     database_url: str, run_id: str, steps: int, procs: list[Proc], timeout_s: float, env: dict[str, str],
-    log_dir: Path, schema: str | None = None,
+    log_dir: Path, schema: str | None = None, trackers: Trackers | None = None,
 ) -> list[Event]:
     from shared.store import EventStore
 
@@ -166,6 +167,8 @@ async def _watch(
                     position = page[-1].position
                     events += [s.event for s in page]
                 live.update(_view(events, procs, steps, time.monotonic() - started))
+                if trackers is not None:
+                    trackers.update(events)
                 done = sum(1 for e in events if e.type == "step.completed")
                 if done >= steps:
                     return events
@@ -414,11 +417,16 @@ def _run(config: RunConfig, plan: RunPlan, run_id: str, run_dir: Path, record: R
             elif config.warm_start.steps > 0:
                 env["GYRE_MODEL_DIR"] = str(warm_start(sys.executable, model_dir, run_dir, config, env).resolve())
             RunRecord(run_id, env["GYRE_MODEL_DIR"], plan.task_ids, env["GYRE_ROLLOUT_TOKEN_SECRET"]).save(run_dir)
+        trackers = Trackers(config.logging.trackers, run_dir, run_id, config.model_dump(mode="json"),
+                            project=config.logging.wandb_project, mode=config.logging.wandb_mode)
         start_all(procs, env, run_dir / "logs")
-        events = asyncio.run(
-            _watch(endpoints.database_url, run_id, s.steps, procs, config.logging.timeout_s, env, run_dir / "logs",
-                   schema=settings.db_schema)
-        )
+        try:
+            events = asyncio.run(
+                _watch(endpoints.database_url, run_id, s.steps, procs, config.logging.timeout_s, env,
+                       run_dir / "logs", schema=settings.db_schema, trackers=trackers)
+            )
+        finally:
+            trackers.close()
     except KeyboardInterrupt:
         console.print(f"[yellow]interrupted: stopping every process[/] — continue with `gyre run --resume {run_id}`")
         raise typer.Exit(130)

@@ -1,7 +1,7 @@
 """A run trains on tasks in their own images: `gyre run --config configs/docker.yaml` (the Docker sandbox backend,
 docker-tasks/) completes its step with every execution graded in its task's image, and leaves no container or
 network behind. While it runs, every process's /metrics (the run's metrics-targets.json) is scraped and holds
-the documented metrics with sane values."""
+the documented metrics with sane values; its step goes to offline W&B and TensorBoard, read back."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.harness.docker_sandbox import ROOT_LABEL
 from tests.conftest import Infra
+from tests.gyre.tracker_files import tensorboard_scalars, wandb_run
 from tests.harness.conftest import needs_docker
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1200), needs_docker]
@@ -35,12 +36,19 @@ async def test_a_run_trains_on_tasks_in_their_own_images(store, bus, infra: Infr
         run = subprocess.Popen(
             [sys.executable, "-m", "gyre.cli", "run", "--config", "configs/docker.yaml",
              "--set", f"logging.runs_dir={runs}", "--set", "scheduling.steps=1",
-             "--set", "tasks.train=kv-service-handshake,repo-regression"],
+             "--set", "tasks.train=kv-service-handshake,repo-regression",
+             "--set", "logging.trackers=wandb,tensorboard"],
             env=env, stdout=out, stderr=subprocess.STDOUT,
         )
         seen = scrape_until_done(run, runs, deadline=time.monotonic() + 1100)
     assert run.returncode == 0, log.read_text()[-4000:]
     check_metrics(seen)
+    # The step went to an offline W&B run and to TensorBoard, with the report's names.
+    run_dir = next(runs.iterdir())
+    rows, config = wandb_run(run_dir)
+    assert [row["_step"] for row in rows] == [0] and "mean_reward" in rows[0] and "loss" in rows[0]
+    assert config["harness"]["sandbox"] == "docker"
+    assert [step for step, _ in tensorboard_scalars(run_dir)["mean_reward"]] == [0]
 
     events = [s.event for s in await store.read_all()]
     assert [e.data.step for e in events if e.type == "step.completed"] == [0]
