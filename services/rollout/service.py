@@ -388,9 +388,7 @@ class RolloutGatewayService(Service):
             router=Router(directory, NatsWorkerClient(self.bus)),
             recorder=PostgresCallRecorder(self.store, run_id=self.settings.run_id),
             tokens=TokenVerifier(r.token_secret.encode()),
-            max_model_len=r.max_model_len,
-            model_name=r.model_name,
-            max_reply_tokens=r.max_reply_tokens,
+            max_model_len=r.max_model_len, model_name=r.model_name, max_reply_tokens=r.max_reply_tokens,
         )
         self.metrics.also(self.core.metrics.registry)  # its call metrics on the health port too
         app = create_app(self.core, max_body_bytes=r.max_body_bytes, body_timeout_s=r.body_timeout_s)
