@@ -231,6 +231,10 @@ class ServiceMetrics:
         self.dead_letters = Gauge("gyre_dead_letters", "Events this service's consumers dead-lettered (malformed or "
                                   "out of redeliveries), by consumer.", ["consumer"], registry=r)
         self._dead_letters = dead_letters
+        self.pending = Gauge("gyre_consumer_pending", "Events on the bus this service's consumer has not yet been "
+                             "delivered, by consumer (its lag).", ["consumer"], registry=r)
+        self.ack_pending = Gauge("gyre_consumer_ack_pending", "Events delivered to the consumer and not yet acked "
+                                 "(being handled), by consumer.", ["consumer"], registry=r)
         self.events = EventMetrics(r)
         taken = frozenset(family.name for family in r.collect())
         r.register(HealthNumbers(service, health, taken=taken))

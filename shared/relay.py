@@ -8,6 +8,7 @@ event is lost and none is delivered twice within the duplicate window.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -80,6 +81,8 @@ class OutboxRelay:
         # Fault-injection hook for tests: runs after the publish is acked, before the position is saved.
         self.after_publish = after_publish
         self.published = 0
+        self.position = 0  # the log position published up to
+        self.behind = 0  # events appended past it when last looked (0 once the relay has caught up)
 
     async def run_once(self) -> int:
         """Publish everything after the saved position; returns how many events were sent.
@@ -87,7 +90,7 @@ class OutboxRelay:
         While JetStream acknowledges one page, the next is read from PostgreSQL; it is published only
         after the position of the page before is saved, so pages reach the stream in log order.
         """
-        position = await self.store.get_position(self.name)
+        position = self.position = await self.store.get_position(self.name)
         sent = 0
         page = await self.store.read_after_raw(position, limit=self.batch)
         while page:
@@ -102,6 +105,7 @@ class OutboxRelay:
             if self.after_publish is not None:
                 await self.after_publish(last)
             await self.store.set_position(self.name, last)
+            self.position = last
             sent += len(page)
             self.published += len(page)
             page = following
@@ -118,7 +122,11 @@ class OutboxRelay:
                     await asyncio.sleep(0.5)
                     continue
                 if sent == 0:
+                    self.behind = 0
                     await self.waker.wait(self.idle_wait_s)
+                else:  # appends may have gone on meanwhile: how far the log's head is now
+                    with contextlib.suppress(Exception):
+                        self.behind = max(0, await self.store.head_position() - self.position)
         finally:
             await self.waker.close()
 
@@ -137,7 +145,8 @@ class RelayService(Service):
         self.spawn(relay.run(self.stop_event), name="relay")
 
     def health(self) -> dict[str, Any]:
-        return {"published": self.relay.published}
+        # As metrics: gyre_relay_published, gyre_relay_position, gyre_relay_behind (events not yet on the bus).
+        return {"published": self.relay.published, "position": self.relay.position, "behind": self.relay.behind}
 
 
 async def run_relay_process() -> None:

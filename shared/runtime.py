@@ -28,6 +28,7 @@ effects are recorded must be undone if recording fails (the trainer rolls back t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import signal
@@ -154,9 +155,13 @@ class Service:
         await self.connect()
         await self.setup()
         assert self.bus is not None
+        consumers = []
         for durable, types, handler, options in self._handlers:
             for consumer in await self.bus.consumer(durable, types, options):
+                consumers.append(consumer)
                 self.spawn(consumer.run(self._exactly_once(durable, handler), self.stop_event), name=consumer.name)
+        if consumers and self.settings.health_port:
+            self.spawn(self._watch_consumers(consumers), name="consumer-lag")
         if self.settings.health_port:
             self._health_server = await asyncio.start_server(
                 self._serve_health, self.settings.health_host, self.settings.health_port
@@ -259,6 +264,19 @@ class Service:
         return versions
 
     # ---- health ----
+
+    async def _watch_consumers(self, consumers: Sequence[JetStreamConsumer], every_s: float = 5.0) -> None:
+        """Each consumer's lag (pending on the bus) and work in hand (delivered, not acked), for /metrics."""
+        while not self.stop_event.is_set():
+            for consumer in consumers:
+                try:
+                    info = await consumer.sub.consumer_info()
+                except Exception:  # reconnecting, or stopping: the last figures stand
+                    continue
+                self.metrics.pending.labels(consumer=consumer.name).set(info.num_pending or 0)
+                self.metrics.ack_pending.labels(consumer=consumer.name).set(info.num_ack_pending or 0)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop_event.wait(), every_s)
 
     def _healthy(self) -> bool:
         return (self.bus is not None and self.bus.nc.is_connected and not self.stop_event.is_set()

@@ -107,7 +107,10 @@ def check_metrics(seen: dict[str, dict[tuple, float]]) -> None:
     for service in ("relay", "trajectory", "trainer", "gateway", "harness", "cells", "scheduler"):
         assert value(service, "gyre_service_healthy") == 1, service
         assert value(service, "gyre_failed_tasks") == 0, service
-    assert value("relay", "gyre_relay_published") >= 10
+    assert value("relay", "gyre_relay_published") >= 10 and value("relay", "gyre_relay_position") >= 10
+    assert value("relay", "gyre_relay_behind") >= 0
+    assert total("trajectory", "gyre_consumer_pending") >= 0 and ("gyre_consumer_pending" in
+                                                                  {n for n, _ in seen["trajectory"]})
     assert value("scheduler", "gyre_queries_dispatched_total") >= 1 and total("scheduler", "gyre_cells") == 2
     assert value("harness", "gyre_executions_started_total") >= 2
     assert total("harness", "gyre_executions_scored_total") >= 2

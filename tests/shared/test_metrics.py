@@ -150,6 +150,8 @@ async def test_a_service_serves_what_it_handled_appended_and_dead_lettered_at_me
     assert samples[("gyre_dead_letters", (("consumer", "tagging"),))] == 1
     assert samples[("gyre_service_healthy", ())] == 1 and samples[("gyre_failed_tasks", ())] == 0
     assert samples[("gyre_tagging_tagged", ())] == 3 and samples[("gyre_tagging_processed", ())] == 3
+    lag = {labels: v for (name, labels), v in samples.items() if name == "gyre_consumer_pending"}
+    assert lag and all(dict(labels)["consumer"].startswith("tagging") and v >= 0 for labels, v in lag.items())
     assert health_head.startswith(b"HTTP/1.1 200") and b'"service": "tagging"' in health
 
 
@@ -179,3 +181,23 @@ def test_the_grafana_dashboard_shows_only_documented_metrics() -> None:
     named = {re.sub(r"_(bucket|sum|count)$", "", m) for e in exprs for m in re.findall(r"\bgyre_[a-z0-9_]+", e)}
     assert named and all(f"`{m}`" in documented or f"`{m}_total`" in documented or f", `{m}" in documented
                          for m in named), sorted(m for m in named if m not in documented)
+
+
+async def test_the_relay_reports_its_position_and_how_far_behind_the_log_it_is(store, bus, infra: Infra) -> None:
+    from shared.relay import OutboxRelay
+
+    relay = OutboxRelay(store, bus, dsn=infra.database_url, idle_wait_s=0.1, batch=2)
+    await store.append([assigned(f"cell-r{i}", 1) for i in range(5)])
+    assert await relay.run_once() == 5  # pages of two, each published then its position saved
+    assert relay.position == await store.head_position() and relay.published == 5
+    stop = asyncio.Event()
+    running = asyncio.create_task(relay.run(stop))
+    await store.append([assigned("cell-late", 1)])
+    for _ in range(100):
+        if relay.published == 6:
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.3)  # an idle turn after the page: caught up
+    stop.set()
+    await running
+    assert relay.published == 6 and relay.behind == 0 and relay.position == await store.head_position()
