@@ -28,6 +28,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from gyre import local
@@ -259,12 +260,36 @@ def warm_start(python: str, base: Path, run_dir: Path, config: RunConfig, env: d
         f"{options.steps} SFT steps; log {log}"
     )
     started = time.monotonic()
-    with open(log, "ab") as sink, console.status("supervised warm-start (SFT)…"):
-        done = subprocess.run(argv, env=env, stdout=sink, stderr=subprocess.STDOUT)
-    if done.returncode != 0:
-        raise RuntimeError(f"the warm-start failed (exit {done.returncode}); see {log}")
+    with open(log, "ab") as sink, Progress(TextColumn("supervised warm-start (SFT)"), BarColumn(),
+                                         MofNCompleteColumn(), TextColumn("{task.fields[loss]}"),
+                                         TimeRemainingColumn(), console=console, transient=True) as progress:
+        task = progress.add_task("sft", total=options.steps, loss="")
+        returncode = _follow(argv, env, sink, lambda line: _sft_progress(progress, task, line))
+    if returncode != 0:
+        raise RuntimeError(f"the warm-start failed (exit {returncode}); see {log}")
     console.print(f"warm-start done in {time.monotonic() - started:.0f} s → {out}")
     return out
+
+
+def _follow(argv: list[str], env: dict[str, str], sink: Any, on_line: Any) -> int:
+    """Run `argv`, copying its output to `sink` line by line and handing each line to `on_line`; its exit code."""
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert proc.stdout is not None
+    for raw in proc.stdout:
+        sink.write(raw)
+        on_line(raw.decode(errors="replace"))
+    return proc.wait()
+
+
+def _sft_progress(progress: Progress, task: Any, line: str) -> None:
+    """A `gyre train sft` step line moves the bar (its total is the trainer's own count of steps)."""
+    if not line.startswith("sft_step "):
+        return
+    with contextlib.suppress(ValueError, KeyError, TypeError):
+        step = json.loads(line.split(" ", 1)[1])
+        loss = step.get("loss")
+        progress.update(task, completed=step["step"], total=step["steps"],
+                        loss="" if loss is None else f"loss {loss:.3f}")
 
 
 @dataclass(frozen=True)

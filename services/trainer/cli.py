@@ -7,6 +7,8 @@ from pathlib import Path
 
 import typer
 
+SFT_STEP = "sft_step"  # the prefix of the line `gyre train sft` prints after each step
+
 train_app = typer.Typer(help="Train: supervised warm-start and GSPO steps (FSDP2 over the train cells).")
 
 
@@ -27,13 +29,22 @@ def sft(
     from services.trainer.engine import TrainerConfig
     from services.trainer.runner import SftOptions, run_sft
 
+    spec = GroupSpec.from_env()
+
+    def progress(step: int, steps: int, metrics: dict[str, float]) -> None:
+        # One line a step (rank 0): `gyre run`'s warm start reads them into a progress bar.
+        if spec.rank == 0:
+            typer.echo(f"{SFT_STEP} " + json.dumps({"step": step, "steps": steps, "loss": metrics.get("loss")}),
+                       nl=True)
+
     history = run_sft(
         model,
         data,
         out,
-        GroupSpec.from_env(),
+        spec,
         TrainerConfig(lr=lr, precision=precision),  # type: ignore[arg-type]
         SftOptions(epochs=epochs, conversations_per_step=conversations_per_step, micro_batch_tokens=micro_batch_tokens),
+        on_step=progress,
     )
     if GroupSpec.from_env().rank == 0:
         typer.echo(json.dumps({"steps": len(history), "first_loss": history[0]["loss"], "last_loss": history[-1]["loss"]}))

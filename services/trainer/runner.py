@@ -7,6 +7,7 @@ alone is a world of one.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,20 +33,25 @@ def run_sft(
     spec: GroupSpec,
     config: TrainerConfig,
     options: SftOptions = SftOptions(),
+    on_step: Callable[[int, int, dict[str, float]], None] | None = None,
 ) -> list[dict[str, float]]:
-    """Cross-entropy on the assistant turns of a JSONL of conversations; writes a model directory to out_dir."""
+    """Cross-entropy on the assistant turns of a JSONL of conversations; writes a model directory to out_dir.
+    `on_step(step, steps, metrics)` is told of each step as it ends (the CLI prints it for a progress bar)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     rendered = [render_conversation(tokenizer, messages, tools) for messages, tools in load_records(data)]
     trainer, _ = Trainer.start(model_dir, spec, config)
     history: list[dict[str, float]] = []
+    steps = options.epochs * -(-len(rendered) // options.conversations_per_step)
     try:
         for epoch in range(options.epochs):
             for start in range(0, len(rendered), options.conversations_per_step):
                 chunk = rendered[start : start + options.conversations_per_step]
                 metrics = trainer.sft_step(pack_sequences(chunk, options.micro_batch_tokens))
                 history.append({"epoch": float(epoch), "step": float(trainer.step_count), **metrics})
+                if on_step is not None:
+                    on_step(len(history), steps, metrics)
         weights = trainer.weights_bytes()
         if weights is not None:
             write_model_dir(weights, model_dir, out_dir)

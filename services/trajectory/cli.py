@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 from rich.tree import Tree
 
@@ -51,9 +52,18 @@ async def _load_from_postgres(selection: Selection) -> LoadedLog:
         raise typer.BadParameter("no database configured (GYRE_DATABASE_URL) and none running: run `gyre up` first")
     store = await EventStore.connect(settings.database_url, schema=settings.db_schema)
     try:
-        stored = await store.read_all(types=list(CONSUMED_TYPES), run_id=selection.run)
+        with err.status("reading the log…"):
+            stored = await store.read_all(types=list(CONSUMED_TYPES), run_id=selection.run)
         events = select_events([s.event for s in stored], selection)
-        blobs = {ref.digest: await store.blobs.get(ref) for ref in referenced_blobs(events)}
+        refs = list(referenced_blobs(events))
+        blobs: dict[str, bytes] = {}
+        # A run's log holds a blob per call: thousands for a long run; the bar shows how far the read is.
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                      console=err, transient=True) as progress:
+            reading = progress.add_task(f"reading {len(events):,} events' blobs", total=len(refs))
+            for ref in refs:
+                blobs[ref.digest] = await store.blobs.get(ref)
+                progress.advance(reading)
     except (StoreError, BlobError, EventError) as exc:  # a blob missing or not matching its digest, an unreadable row
         raise CorruptLog(f"{type(exc).__name__}: {exc}") from exc
     finally:
@@ -162,7 +172,8 @@ def replay_command(
         if export is not None:
             export.write_text(export_text(loaded.events, loaded.get_blob))
             err.print(f"exported {len(loaded.events)} events to {export}")
-        report = (verify if verify_ else replay)(loaded.events, loaded.get_blob, selection)
+        with err.status(f"{'verifying' if verify_ else 'replaying'} {len(loaded.events):,} events…"):
+            report = (verify if verify_ else replay)(loaded.events, loaded.get_blob, selection)
     except ReplayDivergence as exc:
         err.print(f"[red bold]DIVERGED[/] {exc.what} at {exc.where}: expected {exc.expected!r}, got {exc.actual!r}")
         raise typer.Exit(EXIT_DIVERGED) from exc

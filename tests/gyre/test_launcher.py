@@ -188,3 +188,24 @@ def test_a_run_with_several_gateways_starts_one_process_each_and_tells_the_harne
     assert procs["gateway-2"].env == {"GYRE_ROLLOUT_PORT": "8502", "GYRE_ROLLOUT_GATEWAY_ID": "2"}
     assert procs["gateway-1"].argv == procs["gateway"].argv
     assert sum("gateway" in p for p in plan_run(config).processes) == 3
+
+
+def test_the_warm_starts_progress_bar_follows_the_trainers_step_lines_and_the_log_keeps_everything(tmp_path):
+    import io
+    import os
+
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from gyre.launcher import _follow, _sft_progress
+
+    script = ("echo loading; echo 'sft_step {\"step\": 1, \"steps\": 3, \"loss\": 2.5}'; "
+              "echo 'sft_step {\"step\": 2, \"steps\": 3, \"loss\": 1.25}'; echo 'sft_step not json'")
+    sink = io.BytesIO()
+    with Progress(console=Console(file=io.StringIO())) as progress:
+        task = progress.add_task("sft", total=99, loss="")
+        code = _follow(["bash", "-c", script], dict(os.environ), sink,
+                       lambda line: _sft_progress(progress, task, line))
+        state = progress.tasks[0]
+    assert code == 0 and (state.completed, state.total, state.fields["loss"]) == (2, 3, "loss 1.250")
+    assert sink.getvalue().decode().splitlines()[0] == "loading" and b"not json" in sink.getvalue()

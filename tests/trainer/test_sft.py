@@ -110,6 +110,9 @@ def test_gyre_train_sft_lowers_the_loss_and_writes_a_loadable_model(
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 6
     assert summary["last_loss"] < 0.8 * summary["first_loss"]
+    # One progress line a step, as the warm start's progress bar reads them.
+    progress = [json.loads(line.split(" ", 1)[1]) for line in result.stdout.splitlines() if line.startswith("sft_step ")]
+    assert [(p["step"], p["steps"]) for p in progress] == [(i, 6) for i in range(1, 7)]
     AutoModelForCausalLM.from_pretrained(str(out))
 
 
