@@ -11,8 +11,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BASE_IMAGE="${GYRE_BASE_IMAGE:-gyre-base:bookworm}"
 SUITE="${GYRE_BASE_SUITE:-bookworm}"
-# What the base image carries: Python with pytest (every task's tests), `python` as a name for python3.
-PACKAGES="python3,python3-pytest,python-is-python3,ca-certificates"
+# What the base image carries: Python with pytest (every task's tests), `python` as a name for python3, and git
+# (tasks without a Dockerfile of their own assume it, as the host has it). The image is labelled with this list
+# and built again when it changes.
+PACKAGES="python3,python3-pytest,python-is-python3,ca-certificates,git"
 mkdir -p .cache
 
 answers() { docker info --format '{{.ServerVersion}}' >/dev/null 2>&1; }
@@ -33,7 +35,8 @@ if ! answers; then
   answers || { echo "docker-engine: dockerd did not answer in 60 s; see .cache/dockerd.log" >&2; exit 1; }
 fi
 
-if ! docker image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
+built_with="$(docker image inspect -f '{{ index .Config.Labels "gyre.packages" }}' "$BASE_IMAGE" 2>/dev/null || true)"
+if [ "$built_with" != "$PACKAGES" ]; then
   # The archive the machine's apt uses (a deb822 URIs: line or a one-line `deb URL suite` entry).
   MIRROR="${GYRE_DEBIAN_MIRROR:-$(grep -hoE '^URIs: *\S+/debian/?$|^deb +\S+/debian/? ' /etc/apt/sources.list /etc/apt/sources.list.d/* 2>/dev/null \
     | head -1 | awk '{print $2}' || true)}"
@@ -44,7 +47,7 @@ if ! docker image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
     --customize-hook='rm -rf "$1"/var/cache/apt/archives/*.deb "$1"/var/lib/apt/lists/*' \
     "$SUITE" - "$MIRROR" 2>.cache/mmdebstrap.log \
     | docker import -c 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
-      -c 'CMD ["bash"]' - "$BASE_IMAGE" >/dev/null \
+      -c 'CMD ["bash"]' -c "LABEL gyre.packages=$PACKAGES" - "$BASE_IMAGE" >/dev/null \
     || { echo "docker-engine: building the base image failed; see .cache/mmdebstrap.log" >&2; exit 1; }
 fi
 echo "docker-engine: ready ($(docker info --format '{{.ServerVersion}}'), base image $BASE_IMAGE)"

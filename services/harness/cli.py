@@ -18,7 +18,7 @@ from services.harness.sandbox_spec import SandboxError
 from services.harness.sandboxes import BACKEND_NAMES
 from services.harness.task_images import BaseImageMap, TaskImageError
 from services.harness.taskgen import write_family
-from services.harness.taskrun import check_with_solution
+from services.harness.taskrun import TaskSetupError, check_with_solution
 from services.harness.tasks import Task, TaskFormatError, load_task, scan_tasks
 from shared.events import stream_id_for
 from shared.execution_tokens import derive_execution_token, execution_named_by, execution_of_token
@@ -92,8 +92,8 @@ def run_solution_cmd(
         try:
             graded = check_with_solution(task, Path(tmp) / "sandbox", backend=backend, apply_solution=not no_solution,
                                          base_images=BaseImageMap.parse(base_images))
-        except (TaskImageError, SandboxError) as exc:
-            typer.echo(f"cannot run {task.task_id}: {exc}", err=True)
+        except (TaskImageError, SandboxError, TaskSetupError) as exc:
+            typer.echo(f"cannot run {task.task_id}: {' '.join(str(exc).split())}", err=True)
             raise typer.Exit(2) from exc
     typer.echo(json.dumps({"task_id": task.task_id, "score": graded.score, "resolved": graded.resolved, "source": graded.source, "detail": graded.detail}))
     raise typer.Exit(0 if graded.resolved else 1)
@@ -115,7 +115,7 @@ def check_all(tasks_dir: Path = Path("tasks"), backend: Backend = "auto", base_i
                                              base_images=images)
                 untouched = check_with_solution(task, Path(tmp) / f"{task.task_id}-untouched", backend=backend,
                                                 apply_solution=False, base_images=images)
-            except (TaskImageError, SandboxError) as exc:
+            except (TaskImageError, SandboxError, TaskSetupError) as exc:
                 failures += 1
                 typer.echo(f"BAD  {task.task_id:28s} {' '.join(str(exc).split())}")
                 continue

@@ -222,3 +222,33 @@ def test_a_run_plan_leaves_out_a_task_whose_image_cannot_be_made_here(tmp_path: 
     assert set(missing.left_out) == {"lua-word-count", "repo-regression"}
     assert "base image gyre-missing:none is not on this machine" in missing.left_out["lua-word-count"]
     assert missing.errors == ["tasks: no task's image can be made here: nothing to train on"]
+
+
+@needs_docker
+def test_every_shipped_task_without_an_image_of_its_own_passes_in_the_base_image() -> None:
+    """The tasks of tasks/ bring no Dockerfile: under Docker they run in the base image, and check-all passes."""
+    from services.harness.cli import harness_app
+
+    from .conftest import TASKS
+
+    result = CliRunner().invoke(harness_app, ["check-all", "--tasks-dir", str(TASKS), "--backend", "docker"])
+    assert result.exit_code == 0, result.output
+    assert len(result.output.splitlines()) == len(list(TASKS.glob("*/task.yaml")))
+
+
+def test_a_task_whose_setup_fails_is_reported_and_the_rest_are_checked(tmp_path: Path, best_backend: str) -> None:
+    import shutil
+
+    from services.harness.cli import harness_app
+
+    from .conftest import TASKS
+
+    shutil.copytree(TASKS / "create-file-1", tmp_path / "create-file-1")
+    broken = tmp_path / "broken-setup"
+    shutil.copytree(TASKS / "create-file-1", broken)
+    (broken / "setup.sh").write_text("echo 'no such tool' >&2\nexit 3\n")
+    result = CliRunner().invoke(harness_app, ["check-all", "--tasks-dir", str(tmp_path), "--backend", best_backend])
+    assert result.exit_code == 1 and result.exception is None or isinstance(result.exception, SystemExit)
+    lines = result.output.splitlines()
+    assert [line.split()[:2] for line in lines] == [["BAD", "broken-setup"], ["ok", "create-file-1"]], lines
+    assert "expected exit 0, got 3" in lines[0] and "no such tool" in lines[0]
