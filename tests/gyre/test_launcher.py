@@ -197,7 +197,7 @@ def test_the_warm_starts_progress_bar_follows_the_trainers_step_lines_and_the_lo
     from rich.console import Console
     from rich.progress import Progress
 
-    from gyre.launcher import _follow, _sft_progress
+    from gyre.warm_start import _follow, _sft_progress
 
     script = ("echo loading; echo 'sft_step {\"step\": 1, \"steps\": 3, \"loss\": 2.5}'; "
               "echo 'sft_step {\"step\": 2, \"steps\": 3, \"loss\": 1.25}'; echo 'sft_step not json'")
