@@ -17,7 +17,6 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import tempfile
 import time
 import uuid
@@ -25,12 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def _recorded_calls(store: Any, execution_ids: list[str]) -> tuple[dict[str, list[np.ndarray]], dict[str, list[list[int]]]]:
@@ -92,6 +85,7 @@ async def _throughput(args: argparse.Namespace, engine: Any, model_dir: Path, na
     from shared.bus import Bus
     from shared.events import ExecutionStarted
     from shared.execution_tokens import derive_execution_token
+    from shared.ports import free_port
     from shared.runtime import freeze_startup_heap
     from shared.store import EventStore, run_migrations
 
@@ -111,7 +105,7 @@ async def _throughput(args: argparse.Namespace, engine: Any, model_dir: Path, na
     core = GatewayCore(codec=TokenizerCodec.from_model_dir(model_dir), router=Router(directory, NatsWorkerClient(bus)),
                        recorder=recorder, tokens=TokenVerifier(secret), max_model_len=engine.max_model_len,
                        model_name="tiny")
-    port = _free_port()
+    port = free_port()
     http = uvicorn.Server(uvicorn.Config(create_app(core), host="127.0.0.1", port=port,
                                          log_level="warning", lifespan="off"))
     http_task = asyncio.create_task(http.serve())

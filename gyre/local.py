@@ -20,6 +20,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from shared import ports
+
 
 class LocalInfraError(Exception):
     pass
@@ -34,26 +36,15 @@ class Endpoints:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return ports.free_port()
 
 
-def free_port_block(count: int, attempts: int = 200) -> int:
+def free_port_block(count: int) -> int:
     """The first of `count` consecutive ports that are free now (for per-cell ports of one run)."""
-    import random
-
-    for _ in range(attempts):
-        base = random.randint(20000, 60000 - count)
-        try:
-            with contextlib.ExitStack() as stack:
-                for port in range(base, base + count):
-                    sock = stack.enter_context(socket.socket())
-                    sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-    raise LocalInfraError(f"no block of {count} free ports found in {attempts} attempts")
+    try:
+        return ports.free_port_block(count)
+    except OSError as exc:
+        raise LocalInfraError(str(exc)) from exc
 
 
 def _wait_port(port: int, timeout: float, what: str) -> None:

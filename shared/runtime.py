@@ -83,6 +83,7 @@ class Service:
         self._tasks: list[asyncio.Task[Any]] = []
         self.failed_tasks: list[str] = []  # names of spawned tasks that ended with an error
         self._health_server: asyncio.base_events.Server | None = None
+        self.running = False  # set once `start` is done; the health endpoint answers 503 until then
         self.started_at = time.monotonic()
         self.processed = 0
         self.skipped_other_runs = 0
@@ -151,7 +152,24 @@ class Service:
         self.blobs = Blobs(self.store.blobs, ObjectBlobStore(self.bus.objects))
 
     async def start(self) -> None:
-        """Connect, run `setup`, and start consumers and the health endpoint (returns once running)."""
+        """Open the health endpoint, connect, run `setup`, and start consumers (returns once running). The port
+        is bound first, so a port that is taken fails the start in a moment rather than after a long setup; the
+        endpoint answers 503 until the start is done. A start that fails lets go of what it got (an engine's
+        processes, connections) before it raises, so that the process exits: one that raised and lingered would
+        look like one still starting."""
+        try:
+            await self._start()
+        except BaseException as exc:
+            self.log.error("service_start_failed", error=f"{type(exc).__name__}: {exc}")
+            with contextlib.suppress(Exception):
+                await self.stop()
+            raise
+
+    async def _start(self) -> None:
+        if self.settings.health_port:
+            self._health_server = await asyncio.start_server(
+                self._serve_health, self.settings.health_host, self.settings.health_port
+            )
         await self.connect()
         await self.setup()
         assert self.bus is not None
@@ -162,10 +180,7 @@ class Service:
                 self.spawn(consumer.run(self._exactly_once(durable, handler), self.stop_event), name=consumer.name)
         if consumers and self.settings.health_port:
             self.spawn(self._watch_consumers(consumers), name="consumer-lag")
-        if self.settings.health_port:
-            self._health_server = await asyncio.start_server(
-                self._serve_health, self.settings.health_host, self.settings.health_port
-            )
+        self.running = True
         self.log.info("service_started", handlers=[t for _, t, _, _ in self._handlers])
 
     async def stop(self) -> None:
@@ -174,7 +189,10 @@ class Service:
             await asyncio.wait(self._tasks, timeout=10)
             for task in self._tasks:
                 task.cancel()
-        await self.teardown()
+        try:
+            await self.teardown()
+        except Exception as exc:  # a teardown after a failed start may find half of what setup makes
+            self.log.warning("teardown_failed", error=f"{type(exc).__name__}: {exc}")
         if self._health_server is not None:
             self._health_server.close()
         if self.bus is not None:
@@ -279,7 +297,7 @@ class Service:
                 await asyncio.wait_for(self.stop_event.wait(), every_s)
 
     def _healthy(self) -> bool:
-        return (self.bus is not None and self.bus.nc.is_connected and not self.stop_event.is_set()
+        return (self.running and self.bus is not None and self.bus.nc.is_connected and not self.stop_event.is_set()
                 and not self.failed_tasks)
 
     def _health_answer(self) -> dict[str, Any]:

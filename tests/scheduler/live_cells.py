@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 from pathlib import Path
 
 import nats
 
 from services.scheduler.cell_agent import CellAgent
 from services.scheduler.cell_settings import CellSettings
+from shared import ports
 from shared.cells import Role
 from shared.events import (
     CellAssigned,
@@ -136,16 +136,7 @@ async def pid_in(path: Path, *, not_pid: int | None = None, timeout: float = 30)
 
 def free_port_pair() -> int:
     """A port p with p and p + 1 free now (a cell's rollout and train health ports, with one cell)."""
-    for _ in range(100):
-        with socket.socket() as first, socket.socket() as second:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
-            try:
-                second.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-            return port
-    raise AssertionError("no two consecutive free ports")
+    return ports.free_port_block(2)
 
 
 def alive(pid: int) -> bool:

@@ -319,3 +319,46 @@ async def test_a_background_task_that_dies_makes_the_service_unhealthy(store, bu
         await service.stop()
     assert reply.startswith(b"HTTP/1.1 503")
     assert service.failed_tasks == ["worker"] and b'"failed_tasks": ["worker"]' in reply
+
+
+async def test_a_service_whose_health_port_is_taken_fails_at_once_and_lets_go(store, bus, infra: Infra):
+    """A health port taken by another socket must end the start at once, before any setup (a rollout worker
+    loads an engine there), and the process must let go of what it holds so that it exits: one that raised and
+    lingered looked to its cell agent like a worker still starting, for the whole readiness timeout."""
+    import socket
+
+    from shared import ports
+
+    class Counting(EffectService):
+        set_up = 0
+        torn_down = 0
+
+        async def setup(self) -> None:
+            Counting.set_up += 1
+            await super().setup()
+
+        async def teardown(self) -> None:
+            Counting.torn_down += 1
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", ports.free_port()))
+        taken.listen()
+        settings = Settings(
+            database_url=infra.database_url, nats_url=infra.nats_url, db_schema=store.schema,
+            subject_prefix=bus.prefix, run_id=unique("taken"), health_port=taken.getsockname()[1],
+        )
+        service = Counting(settings)
+        with pytest.raises(OSError, match="address already in use"):
+            await service.start()
+    assert (Counting.set_up, Counting.torn_down) == (0, 1)
+    assert service.stop_event.is_set() and not service.running
+
+
+def test_ports_a_run_picks_lie_below_the_ephemeral_range():
+    """The kernel hands ports of its ephemeral range to any socket; a run's own ports lie below it."""
+    from shared import ports
+
+    first = ports.ephemeral_first()
+    base = ports.free_port_block(4)
+    assert ports.LOWEST <= base and base + 4 <= first
+    assert all(ports.LOWEST <= ports.free_port() < first for _ in range(20))
