@@ -17,7 +17,7 @@ CLAUDE_CODE_VERSION := 2.1.197
 CLAUDE_STAMP := $(CLAUDE_CODE_DIR)/.installed-$(CLAUDE_CODE_VERSION)
 export GYRE_CLAUDE_CODE_DIR ?= $(CLAUDE_CODE_DIR)
 
-.PHONY: setup check test test-fast test-slow demo bench claude-code docker clean
+.PHONY: setup check test test-fast test-slow demo bench claude-code docker browser clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,10 +38,10 @@ check: setup
 	$(BIN)/mypy
 
 # The whole suite, slow end-to-end tests included.
-test: check $(CLAUDE_STAMP) docker
+test: check $(CLAUDE_STAMP) docker browser
 	$(BIN)/pytest -q -ra
 
-test-fast: check docker
+test-fast: check docker browser
 	$(BIN)/pytest -q -ra -m "not slow"
 
 test-slow: setup docker
@@ -52,6 +52,10 @@ test-slow: setup docker
 # skip, saying so.
 docker:
 	@./deploy/docker-engine.sh || echo "warning: no Docker engine or base image; the Docker sandbox tests will say so"
+
+# Debian's Chromium and chromedriver for the dashboard's browser test (installed as root when missing).
+browser:
+	@./deploy/browser.sh || echo "warning: no Chromium or chromedriver; the dashboard's browser test will say so"
 
 demo: setup
 	$(BIN)/python -m gyre.demo

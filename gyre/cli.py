@@ -37,6 +37,7 @@ LAZY_GROUPS: dict[str, tuple[str, str, str]] = {
     "rollout": ("services.rollout.cli", "rollout_app", "Rollout gateway and workers."),
     "scheduler": ("services.scheduler.cli", "scheduler_app", "The live scheduler and cell agents."),
     "run": ("gyre.launcher", "run_app", "Run the whole RL loop: every service as a process, live view, report."),
+    "dashboard": ("gyre.dashboard.cli", "dashboard", "A live web page of runs: curves, cells, executions, trees."),
 }
 
 StateDir = Annotated[Optional[Path], typer.Option("--state-dir", help="Where embedded servers keep their data.")]
@@ -179,6 +180,9 @@ def events_export(
     out: Path,
     run_id: Annotated[Optional[str], typer.Option("--run", help="Only this run.")] = None,
     type_: Annotated[Optional[list[str]], typer.Option("--type", help="Only these event types.")] = None,
+    with_blobs: Annotated[bool, typer.Option(
+        "--with-blobs", help="Write a whole log file instead: the blobs the events refer to (call records, "
+        "batches) beside them, which `gyre dashboard --log` and `gyre replay --from-file` read.")] = False,
 ) -> None:
     """Write the log (or one run of it) as JSONL, one event per line with its global position."""
 
@@ -190,6 +194,13 @@ def events_export(
         store = await EventStore.connect(db, schema=settings.db_schema)
         try:
             events = await store.read_all(types=type_, run_id=run_id)
+            if with_blobs:
+                from services.trajectory.replay import export_text, referenced_blobs
+
+                logged = [s.event for s in events]
+                blobs = {ref.digest: await store.blobs.get(ref) for ref in referenced_blobs(logged)}
+                out.write_text(export_text(logged, lambda ref: blobs[ref.digest]))
+                return len(events)
         finally:
             await store.close()
         with out.open("w") as f:

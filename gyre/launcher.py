@@ -20,6 +20,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -188,6 +189,8 @@ async def _watch(
 
 def _view(events: list[Event], procs: list[Proc], steps: int, elapsed: float) -> Table:
     roles: dict[str, str] = {}
+    since: dict[str, datetime] = {}  # cells between an assignment and being ready: since when
+    served: set[str] = set()  # cells that have been ready once
     running: set[str] = set()
     counts = Counter(e.type for e in events)
     rewards: dict[int, list[float]] = {}
@@ -200,9 +203,15 @@ def _view(events: list[Event], procs: list[Proc], steps: int, elapsed: float) ->
                 moved[d.method] += 1
                 avoided += d.tokens if d.method == "kv" else 0
             case CellAssigned() as d:
-                roles[d.cell_id] = f"{d.role} (switching)"
+                # A first start loads the model and starts the engine or the rank (minutes on CPUs): say so, with
+                # how long it has taken, so a slow start does not look like a hang.
+                first = d.cell_id not in served
+                since[d.cell_id] = e.occurred_at
+                roles[d.cell_id] = f"{d.role} ({'first start: loading the model' if first else 'switching'}"
             case CellReady() as d:
                 roles[d.cell_id] = d.role
+                served.add(d.cell_id)
+                since.pop(d.cell_id, None)
             case ExecutionStarted() as d:
                 running.add(d.execution_id)
                 step_of[d.execution_id] = d.step
@@ -213,8 +222,9 @@ def _view(events: list[Event], procs: list[Proc], steps: int, elapsed: float) ->
     table = Table(title=f"Gyre run — {elapsed:.0f} s — steps {counts['step.completed']}/{steps}")
     table.add_column("what")
     table.add_column("state")
+    now = datetime.now(timezone.utc)
     for cell, role in sorted(roles.items()):
-        table.add_row(f"cell {cell}", role)
+        table.add_row(f"cell {cell}", f"{role}, {(now - since[cell]).total_seconds():.0f} s)" if cell in since else role)
     table.add_row("executions running", str(len(running)))
     table.add_row("executions scored", str(counts["execution.scored"]))
     table.add_row("sessions moved", f"{moved['kv']} by KV, {moved['recompute']} recomputed; "
@@ -350,7 +360,8 @@ def _run(config: RunConfig, plan: RunPlan, run_id: str, run_dir: Path, record: R
         if config.is_tiny():
             from gyre.tinymodel import create_tiny_model
 
-            model_dir = create_tiny_model(run_dir / "model", seed=config.seed, size=config.model.path)  # type: ignore[arg-type]
+            with console.status(f"creating the {config.model.path} model from seed {config.seed}…"):
+                model_dir = create_tiny_model(run_dir / "model", seed=config.seed, size=config.model.path)  # type: ignore[arg-type]
         else:
             model_dir = Path(config.model.path).resolve()
         (run_dir / RUN_CONFIG).write_text(dump(config))

@@ -36,6 +36,8 @@ from shared.store_sql import (
     LOCK,
     MARK_PROCESSED,
     READ_RAW,
+    RUN_SUMMARIES,
+    RunSummary,
     ConcurrencyConflict,
     DuplicateEvent,
     StoreError,
@@ -335,6 +337,11 @@ class EventStore:
             out += page
             position = page[-1].position
 
+    async def runs(self, *, limit: int = 200) -> list[RunSummary]:
+        """The runs in the log, the one written to last first."""
+        async with self.engine.connect() as conn:
+            return [RunSummary(*row) for row in await conn.execute(RUN_SUMMARIES.limit(limit))]
+
     async def head_position(self) -> int:
         async with self.engine.connect() as conn:
             value = (await conn.execute(sa.select(sa.func.max(events_table.c.position)))).scalar()
@@ -431,18 +438,7 @@ class PostgresBlobStore:
 
 
 __all__ = [
-    "GROUPED_APPENDER_NAME",
-    "ConcurrencyConflict",
-    "DuplicateEvent",
-    "EventStore",
-    "ExpectedVersion",
-    "PostgresBlobStore",
-    "RawEvent",
-    "StoreError",
-    "StoredEvent",
-    "Transaction",
-    "async_url",
-    "notify_channel",
-    "processed_check_name",
-    "run_migrations",
+    "GROUPED_APPENDER_NAME", "ConcurrencyConflict", "DuplicateEvent", "EventStore", "ExpectedVersion",
+    "PostgresBlobStore", "RawEvent", "RunSummary", "StoreError", "StoredEvent", "Transaction", "async_url",
+    "notify_channel", "processed_check_name", "run_migrations",
 ]

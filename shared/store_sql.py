@@ -8,6 +8,8 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -88,6 +90,26 @@ READ_RAW = sa.text(
            )::text
     FROM events WHERE position > :position ORDER BY position LIMIT :limit
     """
+)
+
+@dataclass(frozen=True)
+class RunSummary:
+    """One run's extent in the log: first and last position and time, and how many events it has."""
+
+    run_id: str
+    first_position: int
+    last_position: int
+    events: int
+    first_at: datetime
+    last_at: datetime
+
+
+# One row per run: its extent in the log (by position and time) and its size, newest first.
+RUN_SUMMARIES = (
+    sa.select(events_table.c.run_id, sa.func.min(events_table.c.position), sa.func.max(events_table.c.position),
+              sa.func.count(), sa.func.min(events_table.c.occurred_at), sa.func.max(events_table.c.occurred_at))
+    .group_by(events_table.c.run_id)
+    .order_by(sa.func.max(events_table.c.position).desc())
 )
 
 # An append is three statements pipelined into one round trip, inside a transaction: the blobs its events refer

@@ -60,6 +60,26 @@ async def test_events_export_and_tail_read_the_log(store, infra: Infra, tmp_path
     assert [json.loads(line)["stream_id"] for line in tail.stdout.splitlines()] == ["cell-other"]
 
 
+async def test_a_run_exported_with_its_blobs_is_a_log_file_replay_and_the_dashboard_read(
+        store, infra: Infra, tmp_path: Path):
+    from services.trajectory.replay import import_text, replay
+    from tests.gyre.test_dashboard import golden, load_into
+
+    log = golden("compaction")
+    await load_into(store, log)
+    await store.append([assigned("cell-other", 1)])  # another run's event stays out
+    env = clean_env(
+        GYRE_DATABASE_URL=infra.database_url, GYRE_NATS_URL=infra.nats_url, GYRE_DB_SCHEMA=store.schema
+    )
+    out = tmp_path / "run.jsonl"
+    result = gyre("events", "export", str(out), "--run", log.events[0].run_id, "--with-blobs", env=env)
+    assert result.returncode == 0, result.stderr
+    back = import_text(out.read_text())
+    assert [e.event_id for e in back.events] == [e.event_id for e in log.events] and back.blobs == log.blobs
+    assert [x.digest for x in replay(back.events, back.get_blob).executions] == \
+        [x.digest for x in replay(log.events, log.get_blob).executions]
+
+
 def test_configured_urls_win_over_running_embedded_servers_and_get_the_schema(infra: Infra):
     """`gyre up` with URLs uses them (and migrates GYRE_DB_SCHEMA there, as the services read it) even while
     this folder runs embedded servers, which `gyre down` still stops."""

@@ -209,3 +209,29 @@ def test_the_warm_starts_progress_bar_follows_the_trainers_step_lines_and_the_lo
         state = progress.tasks[0]
     assert code == 0 and (state.completed, state.total, state.fields["loss"]) == (2, 3, "loss 1.250")
     assert sink.getvalue().decode().splitlines()[0] == "loading" and b"not json" in sink.getvalue()
+
+
+def test_the_live_view_says_a_cell_is_loading_its_model_and_for_how_long():
+    """A first start takes minutes on CPUs (the model loads, the engine starts): the live view says so and
+    counts the seconds, so it does not look like a hang; a later switch says it is switching."""
+    from datetime import UTC, datetime, timedelta
+
+    from rich.console import Console
+
+    from shared.events import CellAssigned, CellReady, new_event
+
+    def at(data, seconds_ago: float):
+        return new_event(data, run_id="r", stream_id=f"cell-{data.cell_id}", version=1,
+                         occurred_at=datetime.now(UTC) - timedelta(seconds=seconds_ago))
+
+    def rendered(events) -> str:
+        console = Console(width=200, record=True)
+        console.print(launcher._view(events, [], steps=3, elapsed=1.0))
+        return console.export_text()
+
+    starting = [at(CellAssigned(cell_id="c0", role="rollout", policy="elastic", reason="start"), 42)]
+    assert "rollout (first start: loading the model, 42 s)" in rendered(starting)
+    ready = starting + [at(CellReady(cell_id="c0", role="rollout", switch_seconds=40.0), 2)]
+    assert "│ rollout " in rendered(ready) and "loading" not in rendered(ready)
+    moving = ready + [at(CellAssigned(cell_id="c0", role="train", policy="elastic", reason="backlog"), 3)]
+    assert "train (switching, 3 s)" in rendered(moving)
