@@ -41,6 +41,7 @@ from nats.aio.msg import Msg
 
 from shared.blobs import Blobs
 from shared.bus import Bus, ConsumerOptions, JetStreamConsumer
+from shared.durable import write_through_outage
 from shared.effects import Effects
 from shared.events import Event, EventData, new_event
 from shared.logging import configure_logging, get_logger
@@ -248,11 +249,19 @@ class Service:
         return handle
 
     async def record(self, effects: Effects) -> None:
-        """Commit effects that no event caused (work a service does at start-up) in one short transaction."""
-        assert self.store is not None
-        async with self.store.transaction() as tx:
-            tx.record(effects)
-        self.metrics.recorded(e for append in effects.appends for e in append.events)
+        """Commit effects that no event caused (work a service does at start-up) in one short transaction;
+        through a store outage (shared/durable.py)."""
+        store = self.store
+        assert store is not None
+        events = [e for append in effects.appends for e in append.events]
+
+        async def commit() -> None:
+            async with store.transaction() as tx:
+                tx.record(effects)
+
+        await write_through_outage(store, commit, (e.event_id for e in events),
+                                   outage_s=self.settings.store_outage_s, log=self.log, what="effects")
+        self.metrics.recorded(events)
 
     def event(
         self,
@@ -275,11 +284,16 @@ class Service:
         )
 
     async def emit(self, events: Sequence[Event], *, expected_version: int | str | None = "any") -> list[int]:
-        """Append to the event log; the outbox relay publishes them to JetStream."""
-        assert self.store is not None
-        versions = await self.store.append(events, expected_version=expected_version)  # type: ignore[arg-type]
+        """Append to the event log, through a store outage (shared/durable.py); the outbox relay publishes them
+        to JetStream. The events' positions ([] when a retry found them already appended)."""
+        store = self.store
+        assert store is not None
+        positions = await write_through_outage(
+            store, lambda: store.append(events, expected_version=expected_version),  # type: ignore[arg-type]
+            (e.event_id for e in events), outage_s=self.settings.store_outage_s, log=self.log,
+            what=", ".join(sorted({e.type for e in events})))
         self.metrics.recorded(events)
-        return versions
+        return positions or []
 
     # ---- health ----
 

@@ -38,6 +38,8 @@ class Settings(BaseSettings):
     max_deliver: int = 5
     backoff_s: list[float] = Field(default_factory=lambda: [0.5, 2.0, 5.0])
     duplicate_window_s: float = 120.0
+    # How long a service's own writes (not a delivery's, which is redelivered) wait out a store they cannot reach.
+    store_outage_s: float = 300.0
 
     # RL shape (SPEC §5–§7).
     group_size: int = 16

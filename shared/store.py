@@ -329,18 +329,21 @@ class EventStore:
 
     async def read_all(self, *, types: Sequence[str] | None = None, run_id: str | None = None) -> list[StoredEvent]:
         out: list[StoredEvent] = []
-        position = 0
-        while True:
-            page = await self.read_after(position, limit=5000, types=types, run_id=run_id)
-            if not page:
-                return out
+        while page := await self.read_after(out[-1].position if out else 0, limit=5000, types=types, run_id=run_id):
             out += page
-            position = page[-1].position
+        return out
 
     async def runs(self, *, limit: int = 200) -> list[RunSummary]:
         """The runs in the log, the one written to last first."""
         async with self.engine.connect() as conn:
             return [RunSummary(*row) for row in await conn.execute(RUN_SUMMARIES.limit(limit))]
+
+    async def holds(self, event_ids: Iterable[uuid.UUID]) -> bool:
+        """Whether every one of these events is in the log (a write retried after losing its answer)."""
+        wanted = set(event_ids)
+        async with self.engine.connect() as conn:
+            found = await conn.execute(sa.select(events_table.c.event_id).where(events_table.c.event_id.in_(wanted)))
+            return {row[0] for row in found} == wanted
 
     async def head_position(self) -> int:
         async with self.engine.connect() as conn:

@@ -233,6 +233,7 @@ class AgentLoop:
         Transient errors are retried here rather than in the SDK, so no retry outlives the deadline."""
         client = self.client.with_options(max_retries=0)
         attempt = 0
+        first_failure: float | None = None
         while True:
             remaining = self._remaining()
             if remaining is not None:
@@ -246,7 +247,9 @@ class AgentLoop:
                 left = self._remaining()
                 if left is not None and left <= 0:
                     raise _Stop("timed_out", "wall-clock budget spent during a model call") from exc
-                if attempt >= self.config.sdk_max_retries:
+                first_failure = time.monotonic() if first_failure is None else first_failure
+                if (attempt >= self.config.sdk_max_retries
+                        and time.monotonic() - first_failure >= self.config.api_outage_s):
                     raise
                 attempt += 1
                 delay = min(8.0, 0.5 * 2**attempt)

@@ -238,6 +238,10 @@ class AgentConfig(BaseModel):
     tool_output_chars: int = Field(default=4000, gt=100)
     # Retries of transient API errors (connection, 429, 5xx), each within the wall-clock budget.
     sdk_max_retries: int = Field(default=2, ge=0)
+    # Beyond those, how long such errors go on being retried (backing off to 8 s) since the first of a call:
+    # a gateway or rollout worker that restarts is back within this, and an hours-long execution should not
+    # end as an infrastructure failure for it. 0: only the `sdk_max_retries` retries.
+    api_outage_s: float = Field(default=0.0, ge=0)
     # A seed to send as a body field (a Gyre extension the gateway uses for sampling). Under the harness
     # service the gateway already takes each execution's seed from its `execution.started`; this is for a loop
     # run against a gateway that has none.

@@ -93,6 +93,9 @@ class HarnessSettings(BaseSettings):
     call_budget: int | None = None
     max_tokens: int = 256
     compact_at_tokens: int = 6000
+    # How long the built-in agent rides out a model API that refuses or cannot be reached (a gateway or rollout
+    # worker restarting) before its execution ends as an infrastructure failure (AgentConfig.api_outage_s).
+    api_outage_s: float = 300.0
     backend: str = "auto"
     # The Docker backend's base-image map, `ref=image,...,*=default` (services.harness.task_images.BaseImageMap).
     base_images: str = ""
@@ -165,7 +168,8 @@ class HarnessService(Service):
             return claude_code(self.h.claude_code_dir.resolve(), self.h.model_name)
         return BuiltinHarness(
             agent=AgentConfig(
-                model=self.h.model_name, max_tokens=self.h.max_tokens, compact_at_tokens=self.h.compact_at_tokens
+                model=self.h.model_name, max_tokens=self.h.max_tokens, compact_at_tokens=self.h.compact_at_tokens,
+                api_outage_s=self.h.api_outage_s,
             )
         )
 

@@ -4,7 +4,9 @@ rank is gone, or it answered with an error), and the group-wide operations: form
 A member is gone when its subject has no responders (the process died), when another process answers on its cell
 (the agent restarted it), or when it does not answer in time. While a form, a step or a publication runs, the members
 that have not answered yet are pinged every `probe_every_s`: a rank killed mid-step never answers its request, but
-its subjects lose their responders at once, and the survivors' collectives fail (or time out) soon after.
+its subjects lose their responders at once, and the survivors' collectives fail (or time out) soon after. When
+the bus itself reconnected meanwhile (NATS restarted), every subject lost its responders for a moment: a member
+that answers a ping again within `reconnect_grace_s` failed the operation but is not gone.
 """
 
 from __future__ import annotations
@@ -77,9 +79,31 @@ class Group:
 
 
 class RankClient:
-    def __init__(self, bus: Bus, probe_every_s: float = 1.0) -> None:
+    def __init__(self, bus: Bus, probe_every_s: float = 1.0, reconnect_grace_s: float = 20.0) -> None:
         self.bus = bus
         self.probe_every_s = probe_every_s
+        # While the bus reconnects (NATS restarting) every subject loses its responders for a moment: a member
+        # that seemed gone then is pinged for this long before it is given up.
+        self.reconnect_grace_s = reconnect_grace_s
+
+    def _reconnects(self) -> int:
+        return int(self.bus.nc.stats.get("reconnects", 0))
+
+    async def _answers_again(self, member: Member) -> bool:
+        """Whether `member`, which seemed gone while the bus reconnected, answers a ping within the grace."""
+        deadline = asyncio.get_running_loop().time() + self.reconnect_grace_s
+        while True:
+            try:
+                await self.call(member, "ping", PingRequest(), PingReply, PING_TIMEOUT_S)
+                return True
+            except RankGone as exc:
+                if exc.how == "replaced":
+                    return False
+            except Exception:  # this side still reconnecting
+                pass
+            if asyncio.get_running_loop().time() > deadline:
+                return False
+            await asyncio.sleep(0.5)
 
     async def call(self, member: Member, verb: Verb, request: Body, reply_type: type[R], timeout_s: float) -> R:
         subject = rank_subject(self.bus.prefix, member.cell_id, verb)
@@ -136,6 +160,7 @@ class RankClient:
         The members that have not answered are pinged every `probe_every_s`; one found gone is not waited for."""
         tasks = {m: asyncio.ensure_future(c) for m, c in calls.items()}
         gone: list[Member] = []
+        reconnects = self._reconnects()
         try:
             pending = set(tasks.values())
             while pending:
@@ -158,6 +183,14 @@ class RankClient:
                 gone.append(member)
             elif (exc := task.exception()) is not None:
                 errors[member] = f"{type(exc).__name__}: {exc}" if not isinstance(exc, RankAnsweredError) else str(exc)
+        if gone and (self._reconnects() != reconnects or self.bus.nc.is_reconnecting):
+            # Cut off by the bus, perhaps not dead: a member that answers again failed this operation (its
+            # answer was lost) and stays for the next group; the rest are gone.
+            back = await asyncio.gather(*(self._answers_again(m) for m in gone))
+            for member, answers in zip(list(gone), back, strict=True):
+                if answers:
+                    gone.remove(member)
+                    errors[member] = "its answer was lost while the bus reconnected"
         if gone or errors:
             raise GroupBroken(what, gone, errors)
         return [task.result() for task in tasks.values()]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -212,6 +214,19 @@ def test_transient_server_errors_are_retried_within_the_budget(box: ProcessSandb
 def test_persistent_server_errors_end_the_run_with_error(box: ProcessSandbox) -> None:
     outcome, server, _ = run_loop([failure(500)] * 3, box, sdk_max_retries=1)
     assert outcome.status == "error" and len(server.requests) == 2
+
+
+def test_an_outage_of_the_model_api_is_ridden_out_for_its_allowance(box: ProcessSandbox) -> None:
+    """A gateway or worker restarting refuses calls for seconds: with an outage allowance the agent keeps
+    retrying (backing off) past its retry count, and the execution goes on; without one it ends."""
+    outage = [failure(503), failure(429), failure(500), failure(503)]
+    outcome, server, sink = run_loop([*outage, submit()], box, sdk_max_retries=1, api_outage_s=60)
+    assert outcome.status == "submitted" and len(server.requests) == 5 and sink.branches == []
+    outcome, server, _ = run_loop([*outage, submit()], box, sdk_max_retries=1)
+    assert outcome.status == "error" and len(server.requests) == 2
+    started = time.monotonic()  # the scripted server says retry-after 0: the agent retries at once
+    outcome, server, _ = run_loop([failure(503)] * 10_000, box, sdk_max_retries=0, api_outage_s=1.0)
+    assert outcome.status == "error" and 1.0 <= time.monotonic() - started < 30  # given up after the allowance
 
 
 def test_model_call_past_the_deadline_times_out_without_sdk_retries(box: ProcessSandbox) -> None:
