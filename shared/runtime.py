@@ -229,17 +229,28 @@ class Service:
                 # Runs share the bus: a service serves its own run only (acked, not recorded as processed).
                 self.skipped_other_runs += 1
                 return
-            if await self.store.is_processed(consumer, event.event_id):
+            store = self.store
+            if await write_through_outage(store, lambda: store.is_processed(consumer, event.event_id), (),
+                                          outage_s=self.settings.store_outage_s, log=self.log, what="tracking"):
                 self.metrics.duplicates.labels(consumer=consumer).inc()
                 return
             started = time.perf_counter()
             effects = await handler(event)  # outside any transaction: a step may take minutes
-            async with self.store.transaction() as tx:
-                if not await tx.mark_processed(consumer, event.event_id):
-                    self.metrics.duplicates.labels(consumer=consumer).inc()
-                    return  # another delivery recorded it meanwhile: these effects are dropped
-                if effects:
-                    tx.record(effects)
+
+            async def commit() -> bool:
+                async with store.transaction() as tx:
+                    if not await tx.mark_processed(consumer, event.event_id):
+                        return False
+                    if effects:
+                        tx.record(effects)
+                return True
+
+            # Through a store outage: the work is done, and a redelivery would do it again (a trainer step) or,
+            # after `max_deliver` tries, dead-letter it. A retry whose first try committed finds it processed.
+            if not await write_through_outage(store, commit, (), outage_s=self.settings.store_outage_s,
+                                              log=self.log, what=f"{consumer}: {event.type}"):
+                self.metrics.duplicates.labels(consumer=consumer).inc()
+                return  # another delivery (or an earlier try of this one) recorded it: these effects are dropped
             self.processed += 1
             self.metrics.handled.labels(consumer=consumer, type=event.type).inc()
             self.metrics.handler_seconds.labels(consumer=consumer).observe(time.perf_counter() - started)

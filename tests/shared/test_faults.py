@@ -362,3 +362,53 @@ def test_ports_a_run_picks_lie_below_the_ephemeral_range():
     base = ports.free_port_block(4)
     assert ports.LOWEST <= base and base + 4 <= first
     assert all(ports.LOWEST <= ports.free_port() < first for _ in range(20))
+
+
+async def test_a_handler_commit_waits_out_a_store_outage_instead_of_redoing_the_work(
+        store, bus, infra: Infra, monkeypatch):
+    """The store unreachable when a handler's effects are committed: the commit is retried (the handler is not
+    run again, nothing is dead-lettered), and each effect lands once."""
+    import contextlib
+
+    import psycopg
+
+    settings = Settings(
+        database_url=infra.database_url, nats_url=infra.nats_url, db_schema=store.schema,
+        subject_prefix=bus.prefix, run_id=unique("outage"),
+    )
+    inputs = [assigned(f"cell-out{i}", 1, run_id=settings.run_id) for i in range(3)]
+    handled: list[str] = []
+
+    class Counting(EffectService):
+        async def apply(self, event: Event) -> Effects:
+            handled.append(event.stream_id)
+            return await super().apply(event)
+
+    original = EventStore.transaction
+    failures = {"left": 4}
+
+    @contextlib.asynccontextmanager
+    async def flaky(self):
+        if failures["left"] > 0:
+            failures["left"] -= 1
+            raise psycopg.OperationalError("connection failed: Connection refused")
+        async with original(self) as tx:
+            yield tx
+
+    monkeypatch.setattr(EventStore, "transaction", flaky)
+    service = Counting(settings)
+    await service.start()
+    try:
+        for e in inputs:
+            await bus.publish(e)
+        deadline = asyncio.get_running_loop().time() + 60
+        while len([s for s in await store.read_after(0) if s.event.stream_id.startswith("cell-effect-")]) < 3:
+            assert asyncio.get_running_loop().time() < deadline, "effects not applied in time"
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1.0)
+    finally:
+        await service.stop()
+    effects = [s.event.stream_id for s in await store.read_after(0) if s.event.stream_id.startswith("cell-effect-")]
+    assert sorted(effects) == sorted(f"cell-effect-{e.event_id}" for e in inputs)
+    assert sorted(handled) == sorted(e.stream_id for e in inputs)  # each handled once: no redelivery
+    assert failures["left"] == 0 and not bus.dead_letters
