@@ -8,6 +8,7 @@ query a poll; its view is rebuilt only when the run has new events.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -93,6 +94,7 @@ class _Run:
     position: int = 0
     view: dict[str, Any] | None = None
     view_position: int = -1
+    next_build_at: float = 0.0  # monotonic time before which the view is not folded again
     trees: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)  # (execution, its calls) -> view
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -125,12 +127,15 @@ class ReadModel:
     async def run(self, run_id: str, *, since: int | None = None) -> dict[str, Any] | None:
         """The run's view; None when it has nothing after position `since` (the page has it already)."""
         run = await self._refresh(run_id)
-        if since is not None and since >= run.position:
+        async with run.lock:
+            # A long live run's view takes a while to fold: rebuilt at most every 4× what the last one took.
+            if run.view is None or (run.view_position != run.position and time.monotonic() >= run.next_build_at):
+                started = time.monotonic()
+                run.view = await asyncio.to_thread(views.run_view, run_id, list(run.events), position=run.position)
+                run.view_position = run.position
+                run.next_build_at = time.monotonic() + 4 * (time.monotonic() - started)
+        if since is not None and since >= run.view_position:
             return None
-        if run.view_position != run.position:
-            run.view = await asyncio.to_thread(views.run_view, run_id, list(run.events), position=run.position)
-            run.view_position = run.position
-        assert run.view is not None
         return run.view
 
     async def calls(self, run_id: str, execution_id: str) -> list[dict[str, Any]]:
