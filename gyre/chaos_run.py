@@ -44,7 +44,7 @@ class ChaosOutcome:
 
 
 async def run_chaos(work: Path, *, seed: int, faults: int | None, cells: int = 2, group_size: int = 2,
-                    every_steps: int = 2, extra_steps: int = 4, steps: int | None = None,
+                    every_steps: int = 3, extra_steps: int = 4, steps: int | None = None,
                     log: Any = print) -> ChaosOutcome:
     """A run under `faults` faults of a seeded plan (every target once when None; 0: no faults, the baseline),
     on fresh NATS and PostgreSQL servers under `work`. Steps: enough that the run outlasts the plan."""
@@ -82,7 +82,8 @@ async def run_chaos(work: Path, *, seed: int, faults: int | None, cells: int = 2
         try:
             start_all(procs, env, work / "logs")
             await chaos.until_steps(1, timeout_s=900)  # the loop runs before the first fault
-            await chaos.run_plan(plan, every_steps=every_steps, log=lambda r: log(_line(r, time.monotonic() - started)))
+            await chaos.run_plan(plan, every_steps=every_steps,
+                                 log=lambda r: log(_line(r, time.monotonic() - started), flush=True))
             await chaos.until_steps(total, timeout_s=900)
         finally:
             wall = time.monotonic() - started
