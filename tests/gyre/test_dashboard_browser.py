@@ -3,6 +3,10 @@ Chromium (Debian's, driven through its chromedriver by Selenium) loads it: the c
 render, an execution's tree opens, a box of it leads to its recorded call.
 
 GYRE_DASHBOARD_SCREENSHOTS=<folder> also writes the screenshots docs/operating.md shows.
+
+tests/recorded/elastic_run.jsonl is a real run on this machine, `gyre run --config configs/elastic.yaml
+--steps 10 --cells 3 --set scheduling.group_size=4 --set scheduling.queries_per_step=1 --set budgets.calls=4`,
+exported with `gyre events export FILE --run <id> --with-blobs`.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from shared.store import EventStore
 from tests.conftest import Infra, database_url_for
 from tests.gyre.test_dashboard import load_into
 
-RECORDED = Path(__file__).resolve().parents[1] / "golden" / "elastic_run.jsonl"
+RECORDED = Path(__file__).resolve().parents[1] / "recorded" / "elastic_run.jsonl"
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 
 pytestmark = pytest.mark.skipif(

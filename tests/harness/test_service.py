@@ -48,6 +48,7 @@ def service(
     h = HarnessSettings(
         tasks_dir=REPO / "tasks", work_dir=tmp_path / "executions", gateway_url=server.base_url,
         model_name="scripted-model", concurrency=1, wall_budget_s=60,
+        api_outage_s=1.0,  # how long an agent rides out a failing model API (the service's default is 300 s)
         **({"gateway_token_secret": secret} if secret is not None else {}),
     )
     return cls(settings, h)
@@ -202,7 +203,7 @@ async def test_restart_scores_an_ended_but_unscored_execution_by_how_it_ended(st
 
 
 async def test_a_model_api_that_keeps_failing_ends_the_execution_as_an_infrastructure_failure(store, bus, infra, tmp_path):
-    server = gateway([failure(500)] * 3)  # the first attempt and both retries
+    server = gateway([failure(500)] * 10_000)  # failing for longer than the agent's outage allowance (1 s)
     query = QueryDispatched(query_id="qf", task_id="create-file-1", group_size=1, seeds=[5], step=0, policy_version=0)
     events = await dispatch_and_wait(store, bus, infra, tmp_path, server, query,
                                      {"execution.finished": 1, "execution.scored": 1})
