@@ -47,15 +47,20 @@ RequestHandler = Callable[[bytes], Awaitable[bytes]]
 
 
 class Bus:
-    def __init__(self, nc: NatsClient, js: JetStreamContext, prefix: str, duplicate_window_s: float) -> None:
+    def __init__(self, nc: NatsClient, js: JetStreamContext, prefix: str, duplicate_window_s: float,
+                 replicas: int = 1) -> None:
         self.nc = nc
         self.js = js
         self.prefix = prefix
         self.duplicate_window_s = duplicate_window_s
+        # Copies of every stream and bucket this connection creates: 3 on a three-server cluster, so the loss of
+        # one server loses nothing (an existing stream is updated to it).
+        self.replicas = replicas
         self._stream_prefix = re.sub(r"[^A-Za-z0-9_-]", "_", prefix).upper()
-        self.objects = ObjectStore(js, f"{self._stream_prefix}-blobs".lower())
+        self.objects = ObjectStore(js, f"{self._stream_prefix}-blobs".lower(), replicas=replicas)
         # KV caches between rollout workers: only in transit, so a bucket whose objects expire.
-        self.kv_objects = ObjectStore(js, f"{self._stream_prefix}-kv".lower(), ttl_s=KV_OBJECT_TTL_S)
+        self.kv_objects = ObjectStore(js, f"{self._stream_prefix}-kv".lower(), ttl_s=KV_OBJECT_TTL_S,
+                                      replicas=replicas)
         self._acks_subject: str | None = None
         self._pending_acks: dict[str, _PendingAcks] = {}
         self.dead_letters: Counter[str] = Counter()  # what this connection dead-lettered, by consumer
@@ -69,6 +74,7 @@ class Bus:
         duplicate_window_s: float = 120.0,
         connect_timeout_s: float = 30.0,
         name: str | None = None,
+        replicas: int = 1,
     ) -> Bus:
         """Connect (retrying until `connect_timeout_s`) and keep reconnecting forever after a drop."""
         deadline = asyncio.get_running_loop().time() + connect_timeout_s
@@ -88,7 +94,7 @@ class Bus:
                 if asyncio.get_running_loop().time() > deadline:
                     raise BusError(f"could not reach NATS at {url}: {exc}") from exc
                 await asyncio.sleep(0.25)
-        return cls(nc, nc.jetstream(timeout=10), prefix, duplicate_window_s)
+        return cls(nc, nc.jetstream(timeout=10), prefix, duplicate_window_s, replicas)
 
     async def close(self) -> None:
         if not self.nc.is_closed:
@@ -121,6 +127,7 @@ class Bus:
             subjects=subjects,
             storage=StorageType.FILE,
             duplicate_window=self.duplicate_window_s,
+            num_replicas=self.replicas,
         )
         try:
             await self.js.add_stream(config)

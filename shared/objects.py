@@ -56,10 +56,11 @@ class ObjectStore:
     """One bucket of the JetStream Object Store, created on first use; with `ttl_s`, objects the server forgets
     after that long (what is only in transit, so a writer that died leaves nothing behind for good)."""
 
-    def __init__(self, js: JetStreamContext, bucket: str, *, ttl_s: float | None = None) -> None:
+    def __init__(self, js: JetStreamContext, bucket: str, *, ttl_s: float | None = None, replicas: int = 1) -> None:
         self.js = js
         self.bucket = bucket
         self.ttl_s = ttl_s
+        self.replicas = replicas
         self._object_store: Any = None
         self._window: asyncio.Semaphore | None = None  # WINDOW_BYTES in chunks, made in the loop that writes
 
@@ -68,7 +69,7 @@ class ObjectStore:
             try:
                 self._object_store = await self.js.object_store(self.bucket)
             except nats.js.errors.BucketNotFoundError:
-                config = ObjectStoreConfig(bucket=self.bucket, ttl=self.ttl_s)
+                config = ObjectStoreConfig(bucket=self.bucket, ttl=self.ttl_s, replicas=self.replicas)
                 self._object_store = await self.js.create_object_store(self.bucket, config=config)
         return self._object_store
 

@@ -147,7 +147,8 @@ class Service:
             lambda: EventStore.connect(s.database_url, schema=s.db_schema), what="postgres", log=self.log
         )
         self.bus = await Bus.connect(
-            s.nats_url, prefix=s.subject_prefix, duplicate_window_s=s.duplicate_window_s, name=self.name
+            s.nats_url, prefix=s.subject_prefix, duplicate_window_s=s.duplicate_window_s, name=self.name,
+            replicas=s.stream_replicas,
         )
         await self.bus.ensure_streams()
         self.blobs = Blobs(self.store.blobs, ObjectBlobStore(self.bus.objects))

@@ -38,6 +38,9 @@ class Settings(BaseSettings):
     max_deliver: int = 5
     backoff_s: list[float] = Field(default_factory=lambda: [0.5, 2.0, 5.0])
     duplicate_window_s: float = 120.0
+    # Copies JetStream keeps of each stream and Object Store bucket a process creates: 1 on one server, 3 on a
+    # three-server cluster (a server lost loses nothing).
+    stream_replicas: int = Field(default=1, ge=1, le=5)
     # How long a service's own writes (not a delivery's, which is redelivered) wait out a store they cannot reach.
     store_outage_s: float = 300.0
 

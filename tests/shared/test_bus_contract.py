@@ -8,11 +8,13 @@ import json
 import time
 import uuid
 
+import nats.js.errors
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shared.bus import (
+    FAMILIES,
     DLQ_DELIVERIES,
     DLQ_REASON,
     Bus,
@@ -430,3 +432,25 @@ async def _dead_letter_or_deliver(nbus: Bus, payloads: list) -> None:
     assert sorted(d for d, _ in letters) == sorted(raw for raw, ok in zip(sent, parses, strict=True) if not ok)
     assert all(headers[DLQ_REASON].strip() for _, headers in letters)
     assert len(handled) == parses.count(True) + 1
+
+
+async def test_streams_and_buckets_are_made_with_the_copies_asked_for(backend):
+    """The copies a connection asks for reach the server: one here; three, which one server cannot keep, are
+    refused by it rather than silently made as one (a three-server cluster keeps them: docs/deploy.md)."""
+    from tests.conftest import unique
+
+    one = await Bus.connect(backend.nats_url, prefix=unique("t"), replicas=1)
+    try:
+        await one.ensure_streams()
+        info = await one.js.stream_info(one.stream_name(FAMILIES[0]))
+        assert info.config.num_replicas == 1
+    finally:
+        await drop_bus(one)
+    three = await Bus.connect(backend.nats_url, prefix=unique("t"), replicas=3)
+    try:
+        with pytest.raises(nats.js.errors.APIError):
+            await three.ensure_streams()
+        with pytest.raises(nats.js.errors.APIError):
+            await three.objects.put_object(b"x")
+    finally:
+        await drop_bus(three)
