@@ -151,3 +151,9 @@ class RunningRelay:
 
 
 __all__ = ["Infra", "RunningRelay", "async_url", "database_url_for", "drop_bus", "drop_store", "make_bus", "make_store", "unique"]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `late` run last, in their order: meanwhile the work they wait for (the compose images `make
+    docker` builds in the background) goes on beside the rest of the suite."""
+    items.sort(key=lambda item: item.get_closest_marker("late") is not None)

