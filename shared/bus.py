@@ -76,12 +76,15 @@ class Bus:
         name: str | None = None,
         replicas: int = 1,
     ) -> Bus:
-        """Connect (retrying until `connect_timeout_s`) and keep reconnecting forever after a drop."""
+        """Connect (retrying until `connect_timeout_s`) and keep reconnecting forever after a drop. `url` may list
+        several servers of one cluster, comma-separated: the client connects to any and moves to another when
+        its server goes (it also learns the cluster's other members from the server)."""
+        servers = [u.strip() for u in url.split(",") if u.strip()]
         deadline = asyncio.get_running_loop().time() + connect_timeout_s
         while True:
             try:
                 nc = await nats.connect(
-                    url,
+                    servers,
                     name=name,
                     max_reconnect_attempts=-1,
                     reconnect_time_wait=0.25,
