@@ -39,7 +39,7 @@ check: setup
 
 # The whole suite, slow end-to-end tests included.
 test: check $(CLAUDE_STAMP) docker browser
-	$(BIN)/pytest -q -ra
+	$(BIN)/pytest -q -ra --durations=30
 
 test-fast: check docker browser
 	$(BIN)/pytest -q -ra -m "not slow"

@@ -135,9 +135,14 @@ def serve(
         if time.monotonic() > deadline:
             raise _fail(f"{path} did not appear within {wait_s:g} s: has `gyre deploy prepare` run?")
         time.sleep(1.0)
-    env = {**read_env(path), **os.environ, **procs[name].env}
     argv = procs[name].argv
-    os.execvpe(argv[0], argv, env)
+    os.execvpe(argv[0], argv, process_environment(read_env(path), dict(os.environ), procs[name].env))
+
+
+def process_environment(run: dict[str, str], container: dict[str, str], own: dict[str, str]) -> dict[str, str]:
+    """A process's environment: the run's settings, under what its container sets (the orchestrator's addresses,
+    ports, this node's cells), under what the process itself needs (a second gateway's port and id)."""
+    return {**run, **container, **own}
 
 
 @app.command()
@@ -190,4 +195,4 @@ async def _events_until(run_id: str, steps: int, deadline: float) -> list[Event]
         await store.close()
 
 
-__all__ = ["PROCESSES", "RUN_ENV", "app", "read_env", "run_dir"]
+__all__ = ["PROCESSES", "RUN_ENV", "app", "process_environment", "read_env", "run_dir"]
