@@ -49,13 +49,14 @@ test-slow: setup docker
 
 # The Docker engine and the local base image the Docker sandbox backend runs task images on (installed and
 # started as root when missing; the base image built once with debootstrap). Without them the Docker tests
-# skip, saying so. Then the images compose.local.yaml runs start building in the background (minutes the first
-# time; the compose test, which runs last, waits for them: deploy/build-images.sh takes a lock).
+# skip, saying so. Then the images compose.local.yaml runs start building in the background, on half a core so
+# the tests beside it keep their pace (minutes the first time; the compose test, which runs last, waits for
+# them: deploy/build-images.sh takes a lock).
 docker:
 	@./deploy/docker-engine.sh || echo "warning: no Docker engine or base image; the Docker sandbox tests will say so"
 	@if docker image inspect gyre-base:bookworm >/dev/null 2>&1; then \
 	  echo "docker: building the compose images in the background (log: .cache/build-images.log)"; \
-	  nohup ./deploy/build-images.sh >.cache/build-images.log 2>&1 & fi
+	  GYRE_BUILD_CPUS=0.5 nohup ./deploy/build-images.sh >.cache/build-images.log 2>&1 & fi
 
 # Debian's Chromium and chromedriver for the dashboard's browser test (installed as root when missing).
 browser:

@@ -27,10 +27,16 @@ done
 cert="${PIP_CERT:-$(pip config get global.cert 2>/dev/null || true)}"
 [ -n "$cert" ] && [ -f "$cert" ] && cp -f "$cert" "$EXTRAS/ca-bundle.crt"
 
+# GYRE_BUILD_CPUS caps the CPU the build's steps take (they run in the engine's containers, so `nice` on this
+# script would not reach them): `make docker` builds in the background beside the test suite with 0.5.
+limits=()
+if [ -n "${GYRE_BUILD_CPUS:-}" ]; then
+  limits=(--cpu-period=100000 --cpu-quota="$(awk -v c="$GYRE_BUILD_CPUS" 'BEGIN { printf "%d", c * 100000 }')")
+fi
 build() {  # name, log, docker build arguments...
   local name="$1" log="$2"; shift 2
   local started=$SECONDS
-  docker build "$@" >"$log" 2>&1 || { echo "build-images: building $name failed; see $log" >&2; tail -5 "$log" >&2; exit 1; }
+  docker build "${limits[@]}" "$@" >"$log" 2>&1 || { echo "build-images: building $name failed; see $log" >&2; tail -5 "$log" >&2; exit 1; }
   echo "build-images: $name ready ($((SECONDS - started)) s)"
 }
 build "$IMAGE" .cache/build-gyre.log -f deploy/Dockerfile -t "$IMAGE" --build-arg BASE="$BASE_IMAGE" \
