@@ -51,6 +51,9 @@ class Sandbox(abc.ABC):
         self._bridge: GatewayBridge | None = None
         self._exec_count = 0
         self._closed = False
+        # What the sandbox's files held when a command was last killed for them (0 once seen under the limit): a
+        # command that starts over the limit may run to free space, and is killed only if it adds more.
+        self._left_over = 0
         try:
             self._create_layout()
         except BaseException:
@@ -147,6 +150,8 @@ class Sandbox(abc.ABC):
         # The spec's extra read-only paths go after the writable areas, so one under /tmp stays visible.
         extra = [Bind(host=Path(p), inside=p) for p in self.spec.ro_paths if os.path.lexists(p)]
         full = self._full_argv(argv, full_env, cwd or self.workdir, gateway, [*extra, *binds], tag)
+        if self._left_over:  # the last command was killed over the limit: what this one starts from
+            self._left_over = self.disk_usage()
         started = time.monotonic()
         with out_path.open("wb") as out, err_path.open("wb") as err:
             stdin_file = in_path.open("rb") if stdin is not None else subprocess.DEVNULL
@@ -214,10 +219,13 @@ class Sandbox(abc.ABC):
         while not exited.wait(interval):
             began = time.monotonic()
             used = self.disk_usage()
-            if used > limit:
+            if used > max(limit, self._left_over):
                 over.append(used)
+                self._left_over = used
                 self._kill(pgid, exited, tag)
                 return
+            if used <= limit:
+                self._left_over = 0
             # Counting a large tree costs CPU: keep it to a tenth of the time at most.
             interval = max(self.spec.limits.disk_check_s, 10 * (time.monotonic() - began))
 

@@ -17,7 +17,7 @@ from gyre.local import nats_server_binary
 from shared.bus import Bus, ConsumerOptions
 from shared.events import Event
 from shared.ports import free_port
-from tests.conftest import drop_bus, unique
+from tests.conftest import unique
 from tests.shared.helpers import assigned
 
 FAST = ConsumerOptions(ack_wait_s=2.0, max_deliver=10, backoff_s=(0.2,), batch=50, fetch_timeout_s=0.2)
@@ -127,13 +127,13 @@ async def test_the_bus_goes_on_through_the_loss_of_the_streams_leader(cluster: l
         tasks = [asyncio.create_task(c.run(handle, stop)) for c in consumers]
         await publish_through(bus, first)
         digest = await bus.put_object(b"weights" * 100_000)
-        await asyncio.wait_for(until(50), 60)
+        await asyncio.wait_for(until(50), 180)
 
         leader = next(s for s in cluster if s.name == info.cluster.leader)
         leader.kill()
 
         await publish_through(bus, second)
-        await asyncio.wait_for(until(100), 120)
+        await asyncio.wait_for(until(100), 300)
         assert set(received) == {str(e.event_id) for e in first + second}
         after = await retried(lambda: bus.js.stream_info(stream))
         assert after.cluster is not None and after.cluster.leader != leader.name
@@ -142,4 +142,4 @@ async def test_the_bus_goes_on_through_the_loss_of_the_streams_leader(cluster: l
     finally:
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await drop_bus(bus)
+        await bus.close()  # the cluster and its streams go with the test's folder
