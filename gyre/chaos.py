@@ -93,7 +93,8 @@ class Chaos:
     postgres: EmbeddedPostgres
     schema: str
     steps: int  # the run's
-    recover_timeout_s: float = 300.0
+    # A vLLM worker's restart on a loaded 2-core machine took 4 minutes (2026-12-06): give it room.
+    recover_timeout_s: float = 600.0
     records: list[FaultRecord] = field(default_factory=list)
     # Service processes that exited without being hit (started again, as a supervisor would): name, exit code.
     unplanned: list[tuple[str, int | None]] = field(default_factory=list)
