@@ -6,7 +6,9 @@ A killed service is started again at once, as compose's restart policy or `gyre 
 rank is restarted by its cell agent; the servers come back on the same port and data. Between faults the driver
 waits until what it hit is back (the process healthy again, the server answering and every service healthy)
 and then until a step completes, so each fault lands on a loop that works end to end: a run of S steps takes
-at most S - 2 or so faults.
+at most S - 2 or so faults. A cell's standing-by process is off the loop's path: it counts as back once its
+successor is starting, and the driver waits for every cell's processes to be healthy after the last fault
+(a vLLM engine's warm-up on a loaded 2-core machine took 6.5 minutes, long enough for the run to finish).
 
 Used by the chaos slow test (tests/e2e/test_chaos.py) and `bench/chaos.py` (a longer schedule).
 """
@@ -187,6 +189,20 @@ class Chaos:
             if log is not None:
                 log(record)
 
+    async def until_cells_ready(self) -> float:
+        """Until every cell's processes, serving and standing by, answer healthy (a standby restarted by a
+        fault warms up while the run goes on); seconds it took."""
+        started = time.monotonic()
+        async with httpx.AsyncClient(timeout=3.0) as http:
+            async def ready() -> bool:
+                cells = await self.cells(http)
+                wanted = [(cell, role) for cell, info in cells.items() for role in ("rollout", "train")
+                          if info.get("pid" if info.get("role") == role else "standby_pid")]
+                return bool(cells) and all([await self._healthy(http, self._cell_health_port(cell, role))
+                                            for cell, role in wanted])
+
+            return await self._until(ready, started, "every cell's processes healthy")
+
     async def inject(self, target: str) -> FaultRecord:
         record = FaultRecord(target, datetime.now(UTC))
         started = time.monotonic()
@@ -201,18 +217,23 @@ class Chaos:
             elif target.startswith(("worker:", "rank:")):
                 kind, cell = target.split(":", 1)
                 role = "rollout" if kind == "worker" else "train"
+                serving = (await self.cells(http)).get(cell, {}).get("role") == role
                 pid = await self._cell_process(http, cell, role)
                 if pid is None:
                     raise ChaosError(f"{target}: the cell agent reports no {role} process on {cell}")
-                record.detail = f"SIGKILL pid {pid}; its cell agent restarts it"
+                record.detail = (f"SIGKILL pid {pid} ({'serving' if serving else 'standing by'}); "
+                                 "its cell agent restarts it")
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(pid, signal.SIGKILL)
 
                 async def back() -> bool:
                     now = await self._cell_process(http, cell, role)
-                    return (now is not None and now != pid
-                            and await self._healthy(http, self._cell_health_port(cell, role))
-                            and await self.all_healthy(http))
+                    if now is None or now == pid or not await self.all_healthy(http):
+                        return False
+                    # A standby is off the loop's path: it is back once its successor is starting (its
+                    # warm-up, minutes for a vLLM engine on a loaded 2-core machine, goes on while the loop
+                    # runs and would use up the run's steps; `until_cells_ready` waits for it at the end).
+                    return not serving or await self._healthy(http, self._cell_health_port(cell, role))
             elif target == "nats":
                 record.detail = "SIGKILL nats-server; started again on its port and data"
                 self.nats.kill()

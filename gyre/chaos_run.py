@@ -84,6 +84,7 @@ async def run_chaos(work: Path, *, seed: int, faults: int | None, cells: int = 2
             await chaos.until_steps(1, timeout_s=900)  # the loop runs before the first fault
             await chaos.run_plan(plan, every_steps=every_steps,
                                  log=lambda r: log(_line(r, time.monotonic() - started), flush=True))
+            await chaos.until_cells_ready()  # a standby a fault restarted has warmed up again
             await chaos.until_steps(total, timeout_s=900)
         finally:
             wall = time.monotonic() - started
