@@ -144,7 +144,13 @@ class CallLog:
                 in_completion = (0 < head_shared < head_len and self.generated_at(head, head_shared)
                                  and self.generated_at(head, head_shared - 1))
                 hint = classify_branch(new_chain=False, shared=head_shared, prompt_len=len(prompt),
-                                       head_len=head_len, diverges_in_completion=in_completion)
+                                       head_len=head_len, diverges_in_completion=in_completion,
+                                       sibling_shared=shared)
+                if hint == "compaction" and any(  # only then: does it resume after an earlier call's whole turn?
+                    len(seq) <= head_shared and np.array_equal(seq, prompt[: len(seq)]) for seq in self.sequences
+                ):
+                    hint = classify_branch(new_chain=False, shared=head_shared, prompt_len=len(prompt),
+                                           head_len=head_len, diverges_in_completion=False, after_a_call=True)
         return Placement(
             call_index=len(self.sequences),
             chain_id=chain_id,

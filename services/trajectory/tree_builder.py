@@ -299,7 +299,7 @@ class TreeBuilder:
         elif record.branch_hint is not None:
             kind, source = record.branch_hint, "hint"
         else:
-            kind, source = self._infer(record, index, head), "inferred"
+            kind, source = self._infer(record, index, head, matched_len), "inferred"
         shared = self._shared_len(index, from_call) if from_call is not None else 0
         return CallPlacement(
             call_index=index,
@@ -316,9 +316,10 @@ class TreeBuilder:
             end_depth=end_depth,
         )
 
-    def _infer(self, record: CallRecord, index: int, head: int | None) -> BranchKind:
+    def _infer(self, record: CallRecord, index: int, head: int | None, matched_len: int) -> BranchKind:
         """Classify a call against the previous call of its chain with the one classifier (shared.branching),
-        which the gateway also uses for the hints it records."""
+        which the gateway also uses for the hints it records; `matched_len`: how far its tokens follow the
+        tree of the calls before it (any chain's)."""
         if head is None:
             return classify_branch(new_chain=True, shared=0, prompt_len=record.prompt_len, head_len=0,
                                    diverges_in_completion=False)
@@ -328,8 +329,15 @@ class TreeBuilder:
         diverges_in_completion = (
             0 < shared < head_len and self._is_target_at(head, shared) and self._is_target_at(head, shared - 1)
         )
-        return classify_branch(new_chain=False, shared=shared, prompt_len=record.prompt_len, head_len=head_len,
-                               diverges_in_completion=diverges_in_completion)
+        kind = classify_branch(new_chain=False, shared=shared, prompt_len=record.prompt_len, head_len=head_len,
+                               diverges_in_completion=diverges_in_completion,
+                               sibling_shared=min(matched_len, record.prompt_len))
+        if kind == "compaction" and any(  # only then is it worth looking for an earlier call it resumes after
+            depth <= shared and self._shared_len(index, i) == depth for i, (_, depth) in enumerate(self._ends[:index])
+        ):
+            kind = classify_branch(new_chain=False, shared=shared, prompt_len=record.prompt_len, head_len=head_len,
+                                   diverges_in_completion=False, after_a_call=True)
+        return kind
 
     # -- finishing --------------------------------------------------------------------------------
 

@@ -44,6 +44,17 @@ def test_leaving_the_context_is_a_compaction_when_shorter_and_a_fork_when_not() 
     assert fork.branch_hint == "fork" and not fork.in_completion  # its cause: context rewritten
 
 
+def test_a_shorter_prompt_that_redoes_a_turn_after_a_whole_earlier_call_is_a_fork_not_a_compaction() -> None:
+    """Calls 1 and 2 both extend call 0: call 2 leaves call 1 in its tool result (context, not generated text)
+    and is shorter, but keeps call 0's whole turn, so nothing was summarised away: a fork from its sibling.
+    The tree builder infers the same (tests/trajectory/test_tree_units.py)."""
+    log = CallLog()
+    _add(log, ids(A), ids(a))
+    _add(log, ids(A, a, range(70, 90)), ids(range(600, 603)))
+    redo = log.place(ids(A, a, range(70, 72), range(900, 903)), chain_id="main")
+    assert redo.branch_hint == "fork" and redo.head_call_index == 1 and not redo.in_completion
+
+
 def test_a_call_is_classified_against_its_own_chains_previous_call_not_the_longest_prefix() -> None:
     """A sub-agent's call (another chain) shares more with the main chain's next prompt than the main chain's
     previous call does; the main chain's call still continues its own previous call."""

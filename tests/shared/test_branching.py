@@ -29,6 +29,15 @@ def test_a_shorter_prompt_that_leaves_the_head_in_its_context_is_a_compaction() 
     assert kind(shared=30, prompt=50, head=100) == "compaction"
 
 
+def test_a_shorter_prompt_that_goes_back_to_a_siblings_context_is_a_fork_not_a_compaction() -> None:
+    # It leaves the head at 30 tokens but follows another earlier call for 45: the head's history was not
+    # replaced by something new, the agent took up another line of it.
+    assert classify_branch(new_chain=False, shared=30, prompt_len=50, head_len=100, diverges_in_completion=False,
+                           sibling_shared=45) == "fork"
+    assert classify_branch(new_chain=False, shared=30, prompt_len=50, head_len=100, diverges_in_completion=False,
+                           sibling_shared=30) == "compaction"
+
+
 def test_a_longer_rewrite_of_the_heads_context_is_a_fork() -> None:
     assert kind(shared=30, prompt=150, head=100) == "fork"
 

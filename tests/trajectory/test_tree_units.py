@@ -72,6 +72,20 @@ def test_compaction_replaces_context_with_a_shorter_summary() -> None:
     assert kinds(log) == ["root", "continuation", "compaction"]
 
 
+def test_a_shorter_prompt_that_redoes_the_last_turn_is_a_fork_from_its_sibling_not_a_compaction() -> None:
+    # Calls 1 and 2 both extend call 0 (siblings): call 2 leaves call 1 at the tool result, which is prompt
+    # text, and is shorter than call 1; but it keeps call 0's whole turn, so nothing was summarised away.
+    log = SyntheticExecution("e")
+    log.call(SYS + TASK + [ASSIST], [1, 2, 3])
+    log.call(log.sequence(0).tolist() + [USER, 7, 7, 7, ASSIST], [4, 5])
+    log.call(log.sequence(0).tolist() + [USER, 8, ASSIST], [6])  # the tool result redone, shorter
+    assert kinds(log) == ["root", "continuation", "fork"]
+    # Back on call 1's line (further along it than along its head, call 2), and shorter than call 2: a fork.
+    log.call(log.sequence(0).tolist() + [USER, 7, ASSIST], [9])
+    assert len(log.records[3].tokens.new_prompt) + log.records[3].parent_prefix_len < len(log.sequence(2))
+    assert kinds(log)[3] == "fork"
+
+
 def test_first_call_of_a_new_chain_is_a_delegation() -> None:
     log = SyntheticExecution("e")
     log.call(SYS + TASK + [ASSIST], [1, 2])
