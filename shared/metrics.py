@@ -102,6 +102,8 @@ class EventMetrics:
         self.migrations = Counter("gyre_kv_migrations", "Sessions moved between workers, by method and whether "
                                   "the KV move fell back to recompute.", ["method", "fallback"], registry=r)
         self.kv_bytes = Counter("gyre_kv_migrated_bytes", "KV bytes moved between workers.", registry=r)
+        self.prefill_avoided = Counter("gyre_kv_prefill_tokens_avoided", "Prompt tokens moved sessions took from "
+                                       "their moved KV instead of prefilling them again.", registry=r)
         self.weights_published = Counter("gyre_weights_published", "Weight versions published.", registry=r)
         self.weights_bytes = Counter("gyre_weights_published_bytes", "Bytes of published weights.", registry=r)
         self.weights_loaded = Counter("gyre_weights_loaded", "Weight versions workers loaded.", registry=r)
@@ -160,6 +162,8 @@ class EventMetrics:
             case KvMigrated():
                 self.migrations.labels(method=data.method, fallback=str(bool(data.fallback)).lower()).inc()
                 self.kv_bytes.inc(data.bytes)
+                if data.method == "kv":  # as the scheduler's fold counts it (RunView.prefill_tokens_avoided)
+                    self.prefill_avoided.inc(data.tokens)
             case WeightsPublished():
                 self.weights_published.inc()
                 self.weights_bytes.inc(data.bytes)

@@ -145,6 +145,8 @@ class SchedulerService(Service):
             "live_sessions": len(self.view.sessions),
             "cells": {c.cell_id: f"{c.role.value}/{c.state.value}" for c in self.view.cells.values()},
             "done": self.view.done,
+            # Folded from kv.migrated: what moving KV saved, and the moves that tried it and recomputed.
+            "kv": {"prefill_tokens_avoided": self.view.prefill_tokens_avoided, "fallbacks": self.view.kv_fallbacks},
         }
 
     async def _nudge(self, event: Event) -> None:

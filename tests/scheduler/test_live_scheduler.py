@@ -13,6 +13,7 @@ from shared.events import (
     CellRegistered,
     EventData,
     ExecutionFinished,
+    KvMigrated,
     StepCompleted,
     execution_id_for,
     new_event,
@@ -247,8 +248,16 @@ async def test_elastic_orders_session_moves_live_once_each_and_the_fold_waits_fo
         await ticks(svc, 6)
         ordered = await events_of(store, run_id, "kv.migration_ordered")
         live = svc.view.snapshot(svc.view.seconds_at(utcnow())).live
+        # A move the worker made by KV shows in the scheduler's health numbers (gyre_scheduler_kv_… metrics).
+        first = ordered[0].data
+        await append(store, run_id, KvMigrated(execution_id=first.execution_id, from_cell=first.from_cell,
+                                               to_cell=first.to_cell, tokens=300, bytes=3000, seconds=0.2,
+                                               method="kv"), f"cell-{first.from_cell}")
+        await ticks(svc, 2)
+        kv_health = svc.health()["kv"]
     finally:
         await svc.stop()
+    assert kv_health == {"prefill_tokens_avoided": 300, "fallbacks": 0}
     moves = [(e.data.execution_id, e.data.from_cell, e.data.to_cell) for e in ordered]
     assert len({m[0] for m in moves}) == len(moves)  # each session ordered once
     assert {m[1] for m in moves} == {"n1-cell0"} and {m[2] for m in moves} == {"n1-cell1", "n1-cell2"}

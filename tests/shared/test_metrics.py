@@ -72,7 +72,7 @@ def test_recorded_facts_become_the_metrics_the_report_names() -> None:
     assert value("gyre_cell_switches_total", {"warm": "true"}) == 1
     assert value("gyre_cell_switch_phase_seconds_total", {"phase": "wake_s"}) == 2.0
     assert value("gyre_kv_migrations_total", {"method": "kv", "fallback": "false"}) == 1
-    assert value("gyre_kv_migrated_bytes_total") == 4096
+    assert value("gyre_kv_migrated_bytes_total") == 4096 and value("gyre_kv_prefill_tokens_avoided_total") == 10
 
 
 def test_health_numbers_become_gauges_named_by_their_path() -> None:
