@@ -1,6 +1,8 @@
 """Benchmark: simulate every workload preset under elastic, async and colocate; print the speedups.
 
 Usage: python bench/sim.py [--out DIR] [--seed N] [--presets flagship,repo,swe,terminal] [--budget work|wall_clock]
+                          [--drift-rates 0,0.02,0.05,0.1] [--drift-steps 12]
+Then the drift sweep on the first preset: each rate's hours per mode, async's split sized at the start.
 The last line of stdout is the JSON summary; the published references are printed beside it.
 """
 
@@ -31,6 +33,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="write report JSON and images here")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--presets", default=",".join(preset_names()))
+    parser.add_argument("--drift-rates", default="0,0.02,0.05,0.1",
+                        help="the drift sweep's rates per step, on the first preset named ('' to skip it)")
+    parser.add_argument("--drift-steps", type=int, default=12, help="steps each point of the drift sweep runs")
     parser.add_argument(
         "--budget", default="work", choices=sorted(BUDGETS), help="how the agent's time budget ends an execution"
     )
@@ -91,6 +96,23 @@ def main() -> None:
     summary["elastic_vs_best_colocate"] = [
         round(best_colocate_h[n] / reports[n]["policies"]["elastic"]["end_to_end_h"], 3) for n in names
     ]
+    rates = tuple(float(r) for r in args.drift_rates.split(",") if r.strip())
+    if rates and names:
+        from services.scheduler.sim.sweep import run_drift_sweep
+
+        t0 = time.perf_counter()
+        rows = run_drift_sweep(names[0], rates=rates, steps=args.drift_steps, seed=args.seed)
+        for row in rows:
+            print(json.dumps({"drift_preset": names[0], "drift_per_step": row["drift_per_step"],
+                              "hours": {k: round(v, 2) for k, v in row["hours"].items()},
+                              "lower_bound_h": round(row["lower_bound_h"], 2),
+                              "async_rollout_cells": row["async_rollout_cells"],
+                              "elastic_vs_async": round(row["elastic_vs_async"], 3),
+                              "elastic_vs_colocate": round(row["elastic_vs_colocate"], 3)}), flush=True)
+        summary["drift"] = {"preset": names[0], "steps": args.drift_steps, "wall_s": round(time.perf_counter() - t0, 1),
+                            "rates": list(rates),
+                            "elastic_vs_async": [round(r["elastic_vs_async"], 3) for r in rows],
+                            "elastic_vs_colocate": [round(r["elastic_vs_colocate"], 3) for r in rows]}
     summary["wall_s"] = round(time.perf_counter() - started, 1)
     print(json.dumps(summary))
 

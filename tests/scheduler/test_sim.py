@@ -295,6 +295,37 @@ def test_the_budget_caps_sampled_work_only_when_it_counts_work() -> None:
     assert wall.nominal_cap_h() == pytest.approx(wall.timeout_h / (1.0 - wall.gen_fraction))
 
 
+def test_drift_grows_each_steps_work_from_the_same_draws_and_async_keeps_the_split_sized_at_the_start() -> None:
+    base = get_preset("terminal").scaled(steps=6, batch_queries=4, cells=16, budget="wall_clock")
+    drifting = base.scaled(drift_per_step=0.1)
+    still, grown = sample_workload(base, 3), sample_workload(drifting, 3)
+    g, b = base.group_size, base.batch_queries
+    step = np.arange(still.duration_s.shape[0]) // (g * b)
+    # Same draws, each step's difficulty 1.1^step times as large (below the cap that both share).
+    uncapped = (still.duration_s < base.nominal_cap_h() * 3600.0 / 1.1**5) & ~still.timed_out
+    assert np.allclose(grown.duration_s[uncapped], still.duration_s[uncapped] * 1.1 ** step[uncapped])
+    assert grown.context_tokens.sum() > still.context_tokens.sum()
+    assert async_rollout_cells(drifting, 0) == async_rollout_cells(base, 0)  # sized from the start
+    with pytest.raises(PresetError, match="drift_per_step"):
+        base.scaled(drift_per_step=-1.0)
+
+
+def test_the_drift_sweep_reports_each_mode_per_rate_and_the_cli_writes_it(tmp_path: Path) -> None:
+    from services.scheduler.sim.sweep import run_drift_sweep
+
+    small = get_preset("terminal").scaled(cells=16, batch_queries=16)
+    rows = run_drift_sweep(small, rates=(0.0, 0.2), steps=3)
+    assert [r["drift_per_step"] for r in rows] == [0.0, 0.2]
+    assert all(set(r["hours"]) == {"elastic", "async", "colocate"} and r["elastic_vs_async"] > 0 for r in rows)
+    assert rows[1]["lower_bound_h"] > rows[0]["lower_bound_h"]  # more work, whatever the schedule
+    assert rows[1]["async_rollout_cells"] == rows[0]["async_rollout_cells"]
+    args = ["--preset", "terminal", "--steps", "2", "--cells", "16", "--batch-queries", "16", "--drift", "0.1"]
+    result = CliRunner().invoke(sim_app, [*args, "--drift-sweep", "--no-plots", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "report_terminal.json").read_text())["parameters"]["drift_per_step"] == 0.1
+    assert len(json.loads((tmp_path / "drift_terminal.json").read_text())) == 4
+
+
 def test_cli_runs_the_preset_with_its_overrides_and_a_wall_clock_budget(tmp_path: Path) -> None:
     args = ["--preset", "terminal", "--steps", "2", "--cells", "16", "--batch-queries", "16", "--sweep"]
     result = CliRunner().invoke(sim_app, [*args, "--budget", "wall_clock", "--no-plots", "--out", str(tmp_path)])

@@ -29,11 +29,16 @@ def sim(
         None, help="how the agent's time budget ends an execution: work (nominal hours) or wall_clock (default: work)"
     ),
     sweep: bool = typer.Option(False, help="also sweep tail heaviness and cluster size (--steps steps a point, default 12)"),
+    drift: float | None = typer.Option(
+        None, help="workload drift: each step's executions (1 + DRIFT)× the step before's difficulty (default 0)"
+    ),
+    drift_sweep: bool = typer.Option(False, help="also sweep the drift rate (0, 2, 5, 10 %/step; --steps a point)"),
     plots: bool = typer.Option(True, help="write the timeline (and sweep) images"),
 ) -> None:
     """Simulate the preset under each policy and print the headline numbers as JSON."""
     names = tuple(p.strip() for p in policies.split(",") if p.strip())
-    overrides: dict[str, Any] = {"cells": cells, "batch_queries": batch_queries, "budget": budget}
+    overrides: dict[str, Any] = {"cells": cells, "batch_queries": batch_queries, "budget": budget,
+                                 "drift_per_step": drift}
     try:
         chosen = get_preset(preset).scaled(**{k: v for k, v in overrides.items() if v is not None})
         report = run_sim(chosen, steps, seed, out, policies=names, plots=plots)
@@ -53,4 +58,12 @@ def sim(
         result = run_sweep(chosen, steps=steps or SWEEP_STEPS, seed=seed, out_dir=out if plots else None)
         (out / f"sweep_{chosen.name}.json").write_text(json.dumps(result, indent=2))
         summary["sweep"] = str(out / f"sweep_{chosen.name}.json")
+    if drift_sweep:
+        from services.scheduler.sim.sweep import SWEEP_STEPS, run_drift_sweep
+
+        rows = run_drift_sweep(chosen, steps=steps or SWEEP_STEPS, seed=seed)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"drift_{chosen.name}.json").write_text(json.dumps(rows, indent=2))
+        summary["drift"] = [{"drift_per_step": r["drift_per_step"], "elastic_vs_async": round(r["elastic_vs_async"], 3),
+                             "elastic_vs_colocate": round(r["elastic_vs_colocate"], 3)} for r in rows]
     typer.echo(json.dumps(summary))

@@ -20,12 +20,14 @@ def async_rollout_cells(preset: Preset, seed: int) -> int:
     """Async's fixed rollout pool, sized to the expected share of rollout work at the admission fill.
 
     A fixed split is only fair if it matches the average demand; this is the split an operator
-    would pick from the same workload statistics the presets are built from.
+    would pick from the same workload statistics the presets are built from. Under drift it is sized at the
+    start (from the workload without drift: what the operator sees when the run begins) and kept.
     """
     if preset.async_rollout_share is not None:
         share = preset.async_rollout_share
     else:
-        w = sample_workload(preset, seed + 7_919, n_queries=min(2_000, preset.steps * preset.batch_queries))
+        start = preset.scaled(drift_per_step=0.0)
+        w = sample_workload(start, seed + 7_919, n_queries=min(2_000, preset.steps * preset.batch_queries))
         roll = rollout_cell_seconds(preset, w, preset.fill)
         train = float(w.context_tokens.sum()) / preset.train_tokens_per_cell_s
         share = roll / (roll + train)

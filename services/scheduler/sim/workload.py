@@ -67,10 +67,17 @@ class Preset:
     async_rollout_share: float | None = None  # async pool split; None: sized from expected work
     fill: float = 0.9  # KV fraction the policies may reserve on a rollout cell
     colocate_run_ahead: bool = True  # colocate starts later batches within the bound (parks them)
+    # --- drift ---
+    # As the policy improves its executions run longer and carry more context: step s's nominal difficulty is
+    # the drawn one × (1 + drift_per_step)^s (contexts follow, as they grow with the hours run). 0: stationary.
+    drift_per_step: float = 0.0
 
     def __post_init__(self) -> None:
         if self.budget not in BUDGETS:
             raise PresetError(f"budget must be one of {sorted(BUDGETS)}, got {self.budget!r}")
+        if not -1.0 < self.drift_per_step <= 1.0:
+            raise PresetError(f"drift_per_step must be in (-1, 1] (a step's growth in difficulty), "
+                              f"got {self.drift_per_step}")
 
     def scaled(self, **changes: object) -> Preset:
         return replace(self, **changes)  # type: ignore[arg-type]
@@ -106,6 +113,9 @@ def sample_workload(preset: Preset, seed: int, *, n_queries: int | None = None) 
     nq = n_queries if n_queries is not None else preset.steps * preset.batch_queries
     g = preset.group_size
     difficulty = np.exp(preset.query_log_mean + preset.query_log_sd * rng.standard_normal(nq))
+    if preset.drift_per_step:  # drawn as without drift (same seed, same draws), then grown by step
+        step = np.arange(nq) // max(1, preset.batch_queries)
+        difficulty = difficulty * (1.0 + preset.drift_per_step) ** step
     s = preset.sample_log_sd
     noise = np.exp(s * rng.standard_normal((nq, g)) - s * s / 2)
     cap_h = preset.nominal_cap_h()
