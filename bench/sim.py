@@ -1,7 +1,7 @@
 """Benchmark: simulate every workload preset under elastic, async and colocate; print the speedups.
 
 Usage: python bench/sim.py [--out DIR] [--seed N] [--presets flagship,repo,swe,terminal] [--budget work|wall_clock]
-                          [--drift-rates 0,0.02,0.05,0.1] [--drift-steps 12]
+                          [--drift-rates 0,0.02,0.05,0.1] [--drift-steps N]
 Then the drift sweep on the first preset: each rate's hours per mode, async's split sized at the start.
 The last line of stdout is the JSON summary; the published references are printed beside it.
 """
@@ -35,7 +35,8 @@ def main() -> None:
     parser.add_argument("--presets", default=",".join(preset_names()))
     parser.add_argument("--drift-rates", default="0,0.02,0.05,0.1",
                         help="the drift sweep's rates per step, on the first preset named ('' to skip it)")
-    parser.add_argument("--drift-steps", type=int, default=12, help="steps each point of the drift sweep runs")
+    parser.add_argument("--drift-steps", type=int, default=0,
+                        help="steps each point of the drift sweep runs (0: the preset's own)")
     parser.add_argument(
         "--budget", default="work", choices=sorted(BUDGETS), help="how the agent's time budget ends an execution"
     )
@@ -101,7 +102,7 @@ def main() -> None:
         from services.scheduler.sim.sweep import run_drift_sweep
 
         t0 = time.perf_counter()
-        rows = run_drift_sweep(names[0], rates=rates, steps=args.drift_steps, seed=args.seed)
+        rows = run_drift_sweep(names[0], rates=rates, steps=args.drift_steps or None, seed=args.seed)
         for row in rows:
             print(json.dumps({"drift_preset": names[0], "drift_per_step": row["drift_per_step"],
                               "hours": {k: round(v, 2) for k, v in row["hours"].items()},
@@ -109,7 +110,7 @@ def main() -> None:
                               "async_rollout_cells": row["async_rollout_cells"],
                               "elastic_vs_async": round(row["elastic_vs_async"], 3),
                               "elastic_vs_colocate": round(row["elastic_vs_colocate"], 3)}), flush=True)
-        summary["drift"] = {"preset": names[0], "steps": args.drift_steps, "wall_s": round(time.perf_counter() - t0, 1),
+        summary["drift"] = {"preset": names[0], "steps": args.drift_steps or "preset", "wall_s": round(time.perf_counter() - t0, 1),
                             "rates": list(rates),
                             "elastic_vs_async": [round(r["elastic_vs_async"], 3) for r in rows],
                             "elastic_vs_colocate": [round(r["elastic_vs_colocate"], 3) for r in rows]}
