@@ -4,7 +4,8 @@ Two rollout workers (real vLLM engines, each with its own KV folder: nothing sha
 session per prompt length. At each length the session moves A → B by KV (saved by A's connector, packed,
 sent through the bus's Object Store, staged and loaded by B's connector), then back B → A by recompute (A's
 prefix cache emptied first, so A prefills the whole history), each through the worker's own move path
-(`RolloutWorker.move_execution`). Then a drain of a cell holding several sessions, both ways. The next call
+(`RolloutWorker.move_execution`), after one unmeasured round at 1K tokens (a running worker has moved KV
+before). Then a drain of a cell holding several sessions, both ways. The next call
 after each move says how much of its prompt the engine took from cache (the re-prefill avoided).
 
     python bench/kv_migration.py [--lengths 4096,16384,65536] [--model-size tiny|wide] [--drain-sessions 4]
@@ -140,7 +141,7 @@ async def _drain_round(wa: Any, wb: Any, sessions: int, tokens: int, rng: np.ran
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from gyre.tinymodel import create_tiny_model
-    from services.rollout.engine import VllmConfig, VllmEngine, prepare_cpu_environment
+    from services.rollout.engine import VllmConfig, VllmEngine, default_kv_storage, prepare_cpu_environment
     from services.rollout.transport import NatsKvTransport
     from services.rollout.worker import RolloutWorker
     from shared.bus import Bus
@@ -163,7 +164,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(args.nixl_port + i)
             engines.append(VllmEngine.start(VllmConfig(
                 model=model_dir, max_model_len=max_len, dtype=args.dtype, kv_connector=args.connector,
-                kv_storage=work / f"kv-{name}" if args.connector == "gyre" else None)))
+                # Each worker's own folder, where a worker puts it by default (shared memory where the node has
+                # room: services.rollout.engine.default_kv_storage).
+                kv_storage=default_kv_storage(work, f"bench-kv-{os.getpid()}", f"w-{name}")
+                if args.connector == "gyre" else None)))
         try:
             peers = _Peers()
             transport = NatsKvTransport(bus.kv_objects)
@@ -173,8 +177,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             details["shared_folder"] = engines[0].config.kv_storage is not None and \
                 engines[0].config.kv_storage == engines[1].config.kv_storage
             details["connector"] = args.connector
+            details["kv_storage"] = [str(e.config.kv_storage) for e in engines]  # each worker's own
             for e in engines:
                 await e.warm_up()
+            # One unmeasured round first, as a worker that has run a while has moved KV before: the first move
+            # pays once for the KV bucket, its consumers and each engine's first save and load (0.23-0.25 s of
+            # a 16K move's 0.16-0.20 s steady state on this machine).
+            details["warm_up"] = await _session_round(wa, wb, 1024, -1, np.random.default_rng(args.seed + 1))
             rng = np.random.default_rng(args.seed)
             for length in lengths:
                 rounds = [await _session_round(wa, wb, length, rep, rng)
@@ -211,7 +220,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="4096,16384,65536", help="session lengths in tokens, comma-separated")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds at each length up to 16K (one above)")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds at each length up to 16K (one above)")
     parser.add_argument("--drain-sessions", type=int, default=4)
     parser.add_argument("--drain-tokens", type=int, default=4096)
     parser.add_argument("--model-dir", default="", help="a local model (default: one created here, --model-size)")

@@ -9,6 +9,7 @@ import concurrent.futures
 import contextlib
 import hashlib
 import json
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -52,9 +53,21 @@ class ObjectFetchTimeout(ObjectStoreError):
         super().__init__(f"object {name!r}: {received} B arrived, then nothing for {stall_s:.0f} s")
 
 
+@dataclass
+class Upload:
+    """An object being written (`ObjectStore.start_put`): where its chunks land, and the write itself."""
+
+    name: str
+    chunks: str  # the id its chunks are stored under ($O.<bucket>.C.<chunks>)
+    size: int
+    digest: str
+    task: asyncio.Task[str]
+
+
 class ObjectStore:
     """One bucket of the JetStream Object Store, created on first use; with `ttl_s`, objects the server forgets
-    after that long (what is only in transit, so a writer that died leaves nothing behind for good)."""
+    after that long, kept in its memory (what is only in transit, so a writer that died leaves nothing behind
+    for good)."""
 
     def __init__(self, js: JetStreamContext, bucket: str, *, ttl_s: float | None = None, replicas: int = 1) -> None:
         self.js = js
@@ -69,8 +82,19 @@ class ObjectStore:
             try:
                 self._object_store = await self.js.object_store(self.bucket)
             except nats.js.errors.BucketNotFoundError:
-                config = ObjectStoreConfig(bucket=self.bucket, ttl=self.ttl_s, replicas=self.replicas)
-                self._object_store = await self.js.create_object_store(self.bucket, config=config)
+                # A bucket of objects in transit (a TTL) is kept in the servers' memory where they allow it: what
+                # it holds lives seconds, and one lost with a server is only fetched again or recomputed (KV
+                # between workers: the JetStream file store's writes cost a 16 MiB move ~0.02 s here).
+                storages = [api.StorageType.MEMORY, api.StorageType.FILE] if self.ttl_s else [api.StorageType.FILE]
+                for i, storage in enumerate(storages):
+                    config = ObjectStoreConfig(bucket=self.bucket, ttl=self.ttl_s, replicas=self.replicas,
+                                               storage=storage)
+                    try:
+                        self._object_store = await self.js.create_object_store(self.bucket, config=config)
+                        break
+                    except nats.js.errors.APIError:  # no memory store on these servers (or none left): files
+                        if i == len(storages) - 1:
+                            raise
         return self._object_store
 
     async def put_object(self, data: bytes, *, name: str | None = None) -> str:
@@ -99,14 +123,14 @@ class ObjectStore:
             await self.js.purge_stream(f"OBJ_{self.bucket}", subject=f"$O.{self.bucket}.C.{info.nuid}")
         return digest
 
-    async def _write(self, key: str, data: bytes, digest: str | asyncio.Future[str]) -> str:
+    async def _write(self, key: str, data: bytes, digest: str | asyncio.Future[str], *, nuid: str | None = None) -> str:
         """Write an object as nats-py's `put` lays it out (chunks under a fresh id, then the meta record that
         names them), but with the chunks pipelined: nats-py waits for each chunk's ack before sending the next,
         128 round trips for 16 MiB; here up to WINDOW_BYTES of chunks (shared by the bucket's writes) are in flight and
         each ack lets the next one go. The meta goes last, so a reader never sees an object whose chunks are
         not all stored."""
         nc = self.js._nc
-        nuid = nc._nuid.next().decode()
+        nuid = nuid or nc._nuid.next().decode()
         chunks_subject = f"$O.{self.bucket}.C.{nuid}"
         inbox = nc.new_inbox()
         chunk = max(4096, min(CHUNK_BYTES, nc.max_payload - 4096))  # room for the headers
@@ -164,6 +188,35 @@ class ObjectStore:
                 window.release()
         return digest
 
+    async def start_put(self, data: bytes, *, name: str, digest: str) -> Upload:
+        """Begin writing `data` (whose digest the caller knows) under a fresh `name`, and return at once: the
+        upload names the chunks' id, so a reader can follow them as they land (`read_chunks`) instead of
+        waiting for the whole object; its task ends with the meta written (or the chunks purged, failed or
+        cancelled). For objects in transit (KV moving between workers): `name` must not be in use."""
+        await self._objects()
+        nuid = self.js._nc._nuid.next().decode()
+        task = asyncio.create_task(self._write(name, data, digest, nuid=nuid), name=f"put-{name}")
+        return Upload(name=name, chunks=nuid, size=len(data), digest=digest, task=task)
+
+    async def read_chunks(self, name: str, chunks: str, size: int, *, expected_digest: str,
+                          stall_s: float = 60.0) -> bytes:
+        """Read object `name` by its chunks' id while its writer may still be writing them (`start_put`): the
+        `size` bytes as they land, checked against `expected_digest`. Chunks that stop arriving for `stall_s`
+        fail with ObjectFetchTimeout (the writer died, or the object was removed), or with ObjectDigestMismatch
+        when the object was finished with another size."""
+        store = await self._objects()
+        try:
+            data, digest = await self._read(chunks, size, name, stall_s, caught_up_ends=False)
+        except ObjectFetchTimeout:
+            with contextlib.suppress(nats.js.errors.NotFoundError):
+                info = await store.get_info(name)
+                if info.nuid == chunks and not info.deleted and info.size != size:
+                    raise ObjectDigestMismatch(name, f"{size} B", f"{info.size} B") from None
+            raise
+        if digest != expected_digest:
+            raise ObjectDigestMismatch(name, expected_digest, digest)
+        return data
+
     async def get_object(
         self, name_or_digest: str, *, expected_digest: str | None = None, stall_s: float = 60.0
     ) -> bytes:
@@ -180,7 +233,20 @@ class ObjectStore:
         info = await store.get_info(name)  # ObjectNotFoundError (a NotFoundError) when there is none
         if info.nuid is None or info.nuid == "" or info.is_link():
             raise ObjectStoreError(f"object {name!r}: not a stored object (a link, or no chunks)")
-        data = bytearray(info.size)
+        out, digest = await self._read(info.nuid, info.size, name, stall_s, caught_up_ends=True)
+        if _nats_digest(digest) != info.digest:
+            raise ObjectDigestMismatch(name, info.digest or "", digest)
+        expected = expected_digest or (name_or_digest if name_or_digest.startswith("sha256") else None)
+        if expected and digest != expected.replace("-", ":", 1):
+            raise ObjectDigestMismatch(name, expected, digest)
+        return out
+
+    async def _read(self, nuid: str, size: int, name: str, stall_s: float, *, caught_up_ends: bool
+                    ) -> tuple[bytes, str]:
+        """The `size` bytes of the chunks under `nuid`, and their digest. With `caught_up_ends` (a whole object)
+        the read ends where the stream has no more chunks; without (chunks still being written) once `size`
+        bytes are in, waiting for each. Too few or too many bytes fail with ObjectDigestMismatch."""
+        data = bytearray(size)
         view = memoryview(data)
         received = 0
         overflow = False
@@ -201,11 +267,11 @@ class ObjectStore:
             view[received : received + n] = msg.data
             received += n
             hashed = _HASHER.submit(h.update, msg.data)
-            if msg.metadata.num_pending == 0:
+            if msg.metadata.num_pending == 0 if caught_up_ends else received == len(data):
                 finished.set()
 
-        if info.size:
-            sub = await self.js.subscribe(f"$O.{self.bucket}.C.{info.nuid}", ordered_consumer=True, cb=on_chunk)
+        if size:
+            sub = await self.js.subscribe(f"$O.{self.bucket}.C.{nuid}", ordered_consumer=True, cb=on_chunk)
             try:
                 seen = -1
                 while not finished.is_set():
@@ -219,16 +285,14 @@ class ObjectStore:
                     await sub.unsubscribe()
         if hashed is not None:
             await asyncio.wrap_future(hashed)
-        if overflow or received != info.size:
-            raise ObjectDigestMismatch(name, info.digest or "", f"{received} B of {info.size}")
-        out = bytes(data)
-        digest = "sha256:" + h.hexdigest()
-        if _nats_digest(digest) != info.digest:
-            raise ObjectDigestMismatch(name, info.digest or "", digest)
-        expected = expected_digest or (name_or_digest if name_or_digest.startswith("sha256") else None)
-        if expected and digest != expected.replace("-", ":", 1):
-            raise ObjectDigestMismatch(name, expected, digest)
-        return out
+        if overflow or received != size:
+            raise ObjectDigestMismatch(name, f"{size} B", f"{received} B{' or more' if overflow else ''}")
+        return bytes(data), "sha256:" + h.hexdigest()
+
+    async def purge_chunks(self, chunks: str) -> None:
+        """Remove the chunks stored under an id (an upload abandoned before it wrote its meta)."""
+        await self._objects()
+        await self.js.purge_stream(f"OBJ_{self.bucket}", subject=f"$O.{self.bucket}.C.{chunks}")
 
     async def delete_object(self, name_or_digest: str) -> bool:
         """Remove an object; False when there was none."""
@@ -277,4 +341,4 @@ def _nats_digest(digest: str) -> str:
     return "SHA-256=" + base64.urlsafe_b64encode(bytes.fromhex(digest.split(":", 1)[1])).decode()
 
 
-__all__ = ["ObjectBlobStore", "ObjectDigestMismatch", "ObjectFetchTimeout", "ObjectStore", "ObjectStoreError"]
+__all__ = ["ObjectBlobStore", "ObjectDigestMismatch", "ObjectFetchTimeout", "ObjectStore", "ObjectStoreError", "Upload"]

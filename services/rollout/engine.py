@@ -9,6 +9,8 @@ import asyncio
 import hashlib
 import json
 import os
+import re
+import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,6 +29,25 @@ def _prompt_key(prompt: list[int], block_size: int) -> str:
     from services.rollout.kv_connector import kv_folder_name
 
     return kv_folder_name(prompt, block_size)
+
+
+SHM = Path("/dev/shm")
+SHM_MIN_FREE_BYTES = 1 << 30
+
+
+def default_kv_storage(state_dir: Path, run_id: str, worker_id: str, *, shm: Path = SHM) -> Path:
+    """Where a worker's KV in transit goes when no folder is set: the node's shared memory (a tmpfs) when it is
+    writable and has a GiB free, else the state folder. The connector writes a session's KV there and the
+    engine packs it at once (and the reverse on the target): on this machine's disk a 16K-token save took
+    0.09 s, in /dev/shm 0.06-0.07 s (docs/rollout.md). Containers get a small /dev/shm unless given one
+    (compose's `shm_size`, a memory `emptyDir` on Kubernetes)."""
+    try:
+        usable = shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free >= SHM_MIN_FREE_BYTES
+    except OSError:
+        usable = False
+    if usable:
+        return shm / "gyre-kv" / re.sub(r"[^A-Za-z0-9_.-]", "-", run_id) / worker_id
+    return state_dir / "kv" / worker_id
 
 
 @dataclass(frozen=True)
@@ -363,3 +384,5 @@ class VllmEngine:
 
     async def close(self) -> None:
         self._llm.shutdown()
+        if self.config.kv_storage is not None:  # KV in transit is no one's once its engine is gone (and may be RAM)
+            shutil.rmtree(self.config.kv_storage, ignore_errors=True)

@@ -108,6 +108,9 @@ class KvTicket(_Frozen):
     bytes: int = Field(ge=0)
     fingerprint: str  # the source engine's model identity: a target serving another model recomputes
     prompt_tokens: int = Field(ge=1)  # the saved prompt's length (see kv_handoff.kv_prompt)
+    # The id its chunks land under while the sender still writes them (NatsKvTransport streams: the target
+    # reads as they arrive); "" when only the finished object is to be read.
+    chunks: str = ""
 
 
 class AdoptRequest(_Frozen):

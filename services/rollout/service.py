@@ -60,6 +60,7 @@ from shared.weights import resolve_dtype
 DRAIN_DETAIL_CHARS = 2000  # a drain's detail as `cell.drained` keeps it (one line per session left behind)
 
 
+
 class TokenSecretMissing(RuntimeError):
     """The gateway was started without the run's execution-token secret."""
 
@@ -79,7 +80,7 @@ class RolloutSettings(BaseSettings):
     # but NATS) or "none" (sessions move by recompute).
     kv_transport: Literal["nats", "none"] = "nats"
     # This worker's own folder for KV in transit (its engine's connector writes and reads it; no other worker
-    # does). Unset: `<state_dir>/kv/<worker_id>`.
+    # does). Unset: in memory where the node has it (`default_kv_storage`), else `<state_dir>/kv/<worker_id>`.
     kv_storage: Path | None = None
     kv_staging_bytes: int = Field(default=KV_STAGING_BYTES, ge=0)  # KV received and not yet loaded, at most
     # Which connector saves and loads the KV: "gyre" (files, carried whole by the transport) or "nixl" (GPU nodes:
@@ -148,11 +149,7 @@ class RolloutWorkerService(Service):
         self._weights_stage: Path | None = None  # set up: where shards wait for the swap (None: in memory)
 
     async def setup(self) -> None:
-        from services.rollout.engine import (
-            VllmConfig,
-            VllmEngine,
-            prepare_cpu_environment,
-        )
+        from services.rollout.engine import VllmConfig, VllmEngine, default_kv_storage, prepare_cpu_environment
         from services.rollout.transport import NatsKvTransport, NatsPeers, WorkerServer, watch_statuses
         from services.rollout.worker import RolloutWorker
 
@@ -165,7 +162,8 @@ class RolloutWorkerService(Service):
         worker_id = r.worker_id or r.cell_id
         kv_storage = None
         if r.kv_transport != "none" and r.kv_connector == "gyre":
-            kv_storage = r.kv_storage or Path(self.settings.state_dir) / "kv" / worker_id
+            state = Path(self.settings.state_dir)
+            kv_storage = r.kv_storage or default_kv_storage(state, self.settings.run_id, worker_id)
             shutil.rmtree(kv_storage, ignore_errors=True)  # what a dead process left in transit is no one's now
         self._weights_stage = r.weights_staging or Path(self.settings.state_dir) / "weights" / worker_id
         shutil.rmtree(self._weights_stage, ignore_errors=True)  # shards a dead process never swapped in

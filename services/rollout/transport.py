@@ -35,7 +35,8 @@ from services.rollout.router import WorkerDirectory, WorkerUnreachable
 from services.rollout.worker import RolloutWorker
 from shared.bus import Bus
 from shared.logging import get_logger
-from shared.objects import ObjectStore, ObjectStoreError
+from shared.objects import ObjectFetchTimeout, ObjectStore, ObjectStoreError, Upload
+from shared.tokens import digest_of
 from shared.worker_status import (
     WorkerStatus,
     ended_subject,
@@ -141,32 +142,55 @@ class NatsPeers:
 
 class NatsKvTransport:
     """Bundles as Object Store objects under a fresh name each (two moves of equal KV never share one, so one
-    move's discard cannot take the other's), read back against the sender's digest."""
+    move's discard cannot take the other's), read back against the sender's digest.
+
+    Streamed: `send` hashes the bundle, starts its upload and returns the ticket at once, naming the object's
+    chunks; the target reads the chunks as they land, so the upload and the download overlap instead of one
+    following the other (a 16 MiB move: send 0.04-0.08 s then receive 0.07-0.09 s, one after the other before).
+    The digest is checked when the last byte is in; chunks that stop arriving (the sender died mid-upload, the
+    bundle was discarded) fail the read after `stall_s`."""
 
     name = "nats"
 
     def __init__(self, objects: ObjectStore, *, stall_s: float = KV_STALL_S) -> None:
         self.objects = objects
         self.stall_s = stall_s
+        self._uploads: dict[str, Upload] = {}
 
     async def send(self, bundle: bytes, *, fingerprint: str, prompt_tokens: int) -> KvTicket:
         name = f"kv-{uuid.uuid4().hex}"
         try:
-            digest = await self.objects.put_object(bundle, name=name)
+            digest = await asyncio.to_thread(digest_of, bundle)  # hashlib lets go of the GIL
+            upload = await self.objects.start_put(bundle, name=name, digest=digest)
         except (nats.errors.Error, ObjectStoreError) as exc:
             raise KvTransferFailed(f"KV upload failed: {type(exc).__name__}: {exc}") from exc
+        self._uploads[name] = upload
+        upload.task.add_done_callback(lambda task: self._uploaded(name, task))
         return KvTicket(transport=self.name, object_name=name, digest=digest, bytes=len(bundle),
-                        fingerprint=fingerprint, prompt_tokens=prompt_tokens)
+                        fingerprint=fingerprint, prompt_tokens=prompt_tokens, chunks=upload.chunks)
+
+    def _uploaded(self, name: str, task: asyncio.Task[str]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            # The target's read stalls and fails, and it recomputes; say why here.
+            log.warning("kv_upload_failed", object_name=name, error=f"{type(task.exception()).__name__}: "
+                        f"{task.exception()}")
 
     async def receive(self, ticket: KvTicket) -> bytes:
         if ticket.transport != self.name:
             raise KvTransferFailed(f"ticket for the {ticket.transport!r} transport, this worker uses {self.name!r}")
         try:
-            data = await self.objects.get_object(ticket.object_name, expected_digest=ticket.digest,
-                                                 stall_s=self.stall_s)
+            if ticket.chunks:
+                data = await self.objects.read_chunks(ticket.object_name, ticket.chunks, ticket.bytes,
+                                                      expected_digest=ticket.digest, stall_s=self.stall_s)
+            else:
+                data = await self.objects.get_object(ticket.object_name, expected_digest=ticket.digest,
+                                                     stall_s=self.stall_s)
         except nats.js.errors.NotFoundError as exc:
             raise KvTransferFailed(f"KV object {ticket.object_name} missing (its sender died or it expired)") from exc
-        except ObjectStoreError as exc:  # digest mismatch, or a read that stopped arriving
+        except ObjectFetchTimeout as exc:
+            raise KvTransferFailed(f"KV object {ticket.object_name} missing or cut off (its sender died, or it was "
+                                   f"discarded or expired): {exc}") from exc
+        except ObjectStoreError as exc:  # digest mismatch
             raise KvTransferFailed(f"KV object {ticket.object_name}: {exc}") from exc
         except nats.errors.Error as exc:
             raise KvTransferFailed(f"KV download failed: {type(exc).__name__}: {exc}") from exc
@@ -175,10 +199,18 @@ class NatsKvTransport:
         return data
 
     async def discard(self, ticket: KvTicket) -> None:
+        upload = self._uploads.pop(ticket.object_name, None)
+        if upload is not None and not upload.task.done():  # the target is done with it: stop writing it
+            upload.task.cancel()
+            with contextlib.suppress(BaseException):
+                await upload.task  # purges the chunks written so far
         try:
             await self.objects.delete_object(ticket.object_name)
         except nats.errors.Error:
             pass  # the bucket's TTL removes it anyway
+        if ticket.chunks:  # chunks of an upload another process started (or one that never wrote its meta)
+            with contextlib.suppress(nats.errors.Error, nats.js.errors.Error):
+                await self.objects.purge_chunks(ticket.chunks)
 
 
 async def watch_statuses(bus: Bus, directory: WorkerDirectory) -> Any:

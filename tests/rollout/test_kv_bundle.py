@@ -49,3 +49,15 @@ def test_files_that_disagree_with_the_manifest_are_not_packed() -> None:
         pack_bundle(manifest, {"a": b"four"})
     with pytest.raises(KvBundleError, match="manifest"):
         pack_bundle(manifest, {"b": b"abc"})
+
+
+def test_kv_in_transit_goes_to_shared_memory_when_the_node_has_room_else_to_the_state_folder(tmp_path) -> None:
+    from services.rollout.engine import default_kv_storage
+
+    shm, state = tmp_path / "shm", tmp_path / "state"
+    shm.mkdir()
+    # This test's folder stands for /dev/shm (a GiB free on this disk): the run and worker name the folder.
+    assert default_kv_storage(state, "run/1", "vm-cell0", shm=shm) == shm / "gyre-kv" / "run-1" / "vm-cell0"
+    assert default_kv_storage(state, "run-1", "vm-cell0", shm=tmp_path / "none") == state / "kv" / "vm-cell0"
+    (tmp_path / "file").write_text("not a folder")
+    assert default_kv_storage(state, "run-1", "vm-cell0", shm=tmp_path / "file") == state / "kv" / "vm-cell0"

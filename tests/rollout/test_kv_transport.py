@@ -9,10 +9,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import pytest
+from nats.js.api import StorageType
 
 from services.rollout.kv_transport import KvTransferFailed, KvTransport
 from services.rollout.protocol import KvTicket
 from services.rollout.transport import NatsKvTransport
+from shared.tokens import digest_of
 from tests.conftest import Infra, drop_bus, make_bus
 from tests.rollout.fakes import MemoryKvTransport
 
@@ -41,7 +43,12 @@ async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
     nats = NatsKvTransport(bus.kv_objects, stall_s=2.0)
 
     async def overwrite_nats(ticket: KvTicket, data: bytes) -> None:
-        await bus.kv_objects.put_object(data, name=ticket.object_name)
+        # The sender's upload finishes; then its chunks are replaced by other bytes under the same id and name,
+        # so the streamed read (by the chunks' id) and a read of the finished object both meet them.
+        upload = nats._uploads[ticket.object_name]
+        await upload.task
+        await bus.kv_objects.purge_chunks(upload.chunks)
+        await bus.kv_objects._write(ticket.object_name, data, digest_of(data), nuid=upload.chunks)
 
     yield Backend(nats, overwrite_nats)
     await drop_bus(bus)
@@ -84,6 +91,33 @@ async def test_bytes_other_than_the_ticket_names_fail_on_their_digest(backend: B
     await backend.overwrite(ticket, other)
     with pytest.raises(KvTransferFailed, match="digest"):
         await backend.transport.receive(ticket)
+
+
+async def test_a_bundle_is_read_while_it_is_still_being_sent_and_a_send_cut_off_is_missing(
+    infra: Infra) -> None:
+    """The NATS transport streams: a ticket is handed over before the upload ends, the target reads the chunks
+    as they land, and an upload stopped half-way (its sender died) fails the read instead of waiting for ever."""
+    bus = await make_bus(infra.nats_url)
+    try:
+        transport = NatsKvTransport(bus.kv_objects, stall_s=2.0)
+        bundle = os.urandom(24 * 2**20)  # many chunks: the upload is still going when the ticket is out
+        ticket = await transport.send(bundle, fingerprint="m", prompt_tokens=17)
+        upload = transport._uploads[ticket.object_name]
+        assert ticket.chunks == upload.chunks and not upload.task.done()
+        assert await transport.receive(ticket) == bundle
+        await transport.discard(ticket)
+        # In transit only: the bucket lives in the server's memory (a TTL bucket), the weights' one in files.
+        kv_stream = await bus.kv_objects.js.stream_info(f"OBJ_{bus.kv_objects.bucket}")
+        assert kv_stream.config.storage == StorageType.MEMORY and kv_stream.config.max_age
+
+        ticket = await transport.send(bundle, fingerprint="m", prompt_tokens=17)
+        upload = transport._uploads[ticket.object_name]
+        upload.task.cancel()  # the sender dies mid-upload: what it wrote is purged, no meta is ever written
+        with pytest.raises(KvTransferFailed, match="missing or cut off"):
+            await transport.receive(ticket)
+        await transport.discard(ticket)
+    finally:
+        await drop_bus(bus)
 
 
 async def test_a_ticket_of_another_transport_is_refused(backend: Backend) -> None:
