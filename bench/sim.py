@@ -110,8 +110,8 @@ def main() -> None:
                               "async_rollout_cells": row["async_rollout_cells"],
                               "elastic_vs_async": round(row["elastic_vs_async"], 3),
                               "elastic_vs_colocate": round(row["elastic_vs_colocate"], 3)}), flush=True)
-        summary["drift"] = {"preset": names[0], "steps": args.drift_steps or "preset", "wall_s": round(time.perf_counter() - t0, 1),
-                            "rates": list(rates),
+        summary["drift"] = {"preset": names[0], "steps": args.drift_steps or "preset",
+                            "wall_s": round(time.perf_counter() - t0, 1), "rates": list(rates),
                             "elastic_vs_async": [round(r["elastic_vs_async"], 3) for r in rows],
                             "elastic_vs_colocate": [round(r["elastic_vs_colocate"], 3) for r in rows]}
     summary["wall_s"] = round(time.perf_counter() - started, 1)

@@ -57,10 +57,7 @@ class ObjectFetchTimeout(ObjectStoreError):
 class Upload:
     """An object being written (`ObjectStore.start_put`): where its chunks land, and the write itself."""
 
-    name: str
     chunks: str  # the id its chunks are stored under ($O.<bucket>.C.<chunks>)
-    size: int
-    digest: str
     task: asyncio.Task[str]
 
 
@@ -196,7 +193,7 @@ class ObjectStore:
         await self._objects()
         nuid = self.js._nc._nuid.next().decode()
         task = asyncio.create_task(self._write(name, data, digest, nuid=nuid), name=f"put-{name}")
-        return Upload(name=name, chunks=nuid, size=len(data), digest=digest, task=task)
+        return Upload(chunks=nuid, task=task)
 
     async def read_chunks(self, name: str, chunks: str, size: int, *, expected_digest: str,
                           stall_s: float = 60.0) -> bytes:

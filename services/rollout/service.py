@@ -60,7 +60,6 @@ from shared.weights import resolve_dtype
 DRAIN_DETAIL_CHARS = 2000  # a drain's detail as `cell.drained` keeps it (one line per session left behind)
 
 
-
 class TokenSecretMissing(RuntimeError):
     """The gateway was started without the run's execution-token secret."""
 

@@ -205,11 +205,11 @@ class NatsKvTransport:
             with contextlib.suppress(BaseException):
                 await upload.task  # purges the chunks written so far
         try:
-            await self.objects.delete_object(ticket.object_name)
+            await self.objects.delete_object(ticket.object_name)  # a finished upload: its meta and chunks
         except nats.errors.Error:
             pass  # the bucket's TTL removes it anyway
-        if ticket.chunks:  # chunks of an upload another process started (or one that never wrote its meta)
-            with contextlib.suppress(nats.errors.Error, nats.js.errors.Error):
+        if upload is None and ticket.chunks:  # not this transport's upload (a cancelled one purges its own chunks)
+            with contextlib.suppress(nats.errors.Error):
                 await self.objects.purge_chunks(ticket.chunks)
 
 
