@@ -73,11 +73,12 @@ class BudgetsSection(_Section):
 
 
 class SchedulingSection(_Section):
-    mode: Literal["elastic", "async", "colocate"] = "async"
+    mode: Literal["elastic", "async", "colocate", "reprefill"] = "async"
     cells: int = Field(default=2, ge=2)  # on this machine; each runs a rollout worker or a trainer rank
     gateways: int = Field(default=1, ge=1)  # gateway processes; each execution sticks to one (shared.gateways)
     device: str = "cpu"  # cpu, or cuda: cell i gets accelerators [i*k, (i+1)*k)
-    accelerators_per_cell: int = Field(default=1, ge=1)
+    accelerators_per_cell: int = Field(default=1, ge=1)  # on cpu, with pin_cells: the cores each cell gets
+    pin_cells: bool = False  # on cpu: each cell's processes on cores of their own, where the machine has enough
     warm: bool = True  # a switch wakes the cell's standing-by process instead of restarting it
     steps: int = Field(default=30, ge=1)
     group_size: int = Field(default=8, ge=1)  # executions per query (G)
@@ -186,6 +187,7 @@ VARIABLES: dict[str, tuple[str, ...]] = {
     "scheduling.cells": ("GYRE_CELL_COUNT", "GYRE_SCHEDULER_MIN_CELLS"),
     "scheduling.device": ("GYRE_CELL_DEVICE",),
     "scheduling.accelerators_per_cell": ("GYRE_CELL_ACCELERATORS",),
+    "scheduling.pin_cells": ("GYRE_CELL_PIN_CORES",),
     "scheduling.warm": ("GYRE_CELL_WARM",),
     "scheduling.steps": ("GYRE_SCHEDULER_TOTAL_STEPS",),
     "scheduling.group_size": ("GYRE_GROUP_SIZE",),

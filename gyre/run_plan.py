@@ -263,6 +263,13 @@ def _cells(plan: RunPlan) -> None:
         if wanted > visible:
             plan.warnings.append(f"scheduling: {s.cells} cells × {s.accelerators_per_cell} GPUs want {wanted}, "
                                  f"{visible} visible: the last cells get no device")
+    if s.pin_cells:
+        if s.device != "cpu":
+            plan.warnings.append("scheduling.pin_cells: only cpu cells are pinned to cores; a GPU cell has its own")
+        elif s.cells * s.accelerators_per_cell > len(os.sched_getaffinity(0)):
+            plan.warnings.append(f"scheduling.pin_cells: {s.cells} cells × {s.accelerators_per_cell} cores want "
+                                 f"{s.cells * s.accelerators_per_cell}, this machine has "
+                                 f"{len(os.sched_getaffinity(0))}: nothing is pinned")
     if s.mode == "async" and s.cells < 2:
         plan.errors.append("scheduling.cells: async needs one cell to roll out and one to train")
     gateways = ["gateway"] if s.gateways == 1 else [
@@ -271,7 +278,8 @@ def _cells(plan: RunPlan) -> None:
     plan.processes = base + ["cells (agent)"]
     for i in range(s.cells):
         devices = ",".join(str(d) for d in range(i * s.accelerators_per_cell, (i + 1) * s.accelerators_per_cell))
-        where = f"{s.device}:{devices}" if s.device != "cpu" else "cpu"
+        pinned = s.pin_cells and s.cells * s.accelerators_per_cell <= len(os.sched_getaffinity(0))
+        where = f"{s.device}:{devices}" if s.device != "cpu" else (f"cpu cores {devices}" if pinned else "cpu")
         plan.processes.append(f"cell {i} ({where}): rollout worker and trainer rank, one standing by "
                               f"({'warm switch' if s.warm else 'switch by restart'})")
 

@@ -65,7 +65,7 @@ class Settings(BaseSettings):
     # Where the health and /metrics endpoint listens: loopback by default; 0.0.0.0 where an orchestrator or a
     # Prometheus on another host scrapes it (compose, Kubernetes).
     health_host: str = "127.0.0.1"
-    mode: Literal["elastic", "async", "colocate"] = "async"
+    mode: Literal["elastic", "async", "colocate", "reprefill"] = "async"
 
     @classmethod
     def settings_customise_sources(

@@ -160,7 +160,9 @@ class RolloutWorkerService(Service):
         t0 = time.perf_counter()
         worker_id = r.worker_id or r.cell_id
         kv_storage = None
-        if r.kv_transport != "none" and r.kv_connector == "gyre":
+        # The peer policy's mode moves sessions as verl does, by recompute (scheduling.mode reprefill).
+        carries_kv = r.kv_transport != "none" and self.settings.mode != "reprefill"
+        if carries_kv and r.kv_connector == "gyre":
             state = Path(self.settings.state_dir)
             kv_storage = r.kv_storage or default_kv_storage(state, self.settings.run_id, worker_id)
             shutil.rmtree(kv_storage, ignore_errors=True)  # what a dead process left in transit is no one's now
@@ -170,7 +172,7 @@ class RolloutWorkerService(Service):
             VllmConfig(model=self.settings.model_dir, max_model_len=r.max_model_len,
                        dtype=served_dtype(r.dtype, self.settings.model_dir),
                        kv_storage=kv_storage, sleep_mode=r.sleep_mode,
-                       kv_connector=r.kv_connector if r.kv_transport != "none" else "gyre")
+                       kv_connector=r.kv_connector if carries_kv else "gyre")
         )
         directory = WorkerDirectory()
         self._watch = await watch_statuses(self.bus, directory)
@@ -182,7 +184,7 @@ class RolloutWorkerService(Service):
             capacity=r.capacity,
             emit=self._emit_data,
             peers=NatsPeers(self.bus, directory),
-            kv_transport=NatsKvTransport(self.bus.kv_objects) if r.kv_transport == "nats" else None,
+            kv_transport=NatsKvTransport(self.bus.kv_objects) if carries_kv else None,
             kv_staging_bytes=r.kv_staging_bytes,
         )
         t1 = time.perf_counter()

@@ -3,6 +3,7 @@ and how the agent tells that it is ready (and whether it reports its drains)."""
 
 from __future__ import annotations
 
+import os
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -48,6 +49,18 @@ class CellLaunch:
         n = self.cfg.accelerators
         return ",".join(str(i) for i in range(self.index * n, (self.index + 1) * n))
 
+    @property
+    def cores(self) -> list[int] | None:
+        """The CPU cores this cell's processes are pinned to, or None (not asked for, not a CPU cell, or the node
+        has fewer cores than its cells need)."""
+        if not self.cfg.pin_cores or self.cfg.device != "cpu":
+            return None
+        usable = sorted(os.sched_getaffinity(0))
+        n = self.cfg.accelerators
+        if self.cfg.count * n > len(usable):
+            return None
+        return usable[self.index * n : (self.index + 1) * n]
+
     def environment(self, role: Role, base: Mapping[str, str], *, standby: bool = False) -> dict[str, str]:
         """`base` (the agent's environment) with what the role's process needs to know of its run and cell."""
         s = self.settings
@@ -71,6 +84,10 @@ class CellLaunch:
             env["GYRE_TRAINER_CELL_ID"] = self.cell_id  # a rank always starts outside the group
         if self.cfg.device.startswith("cuda"):
             env["CUDA_VISIBLE_DEVICES"] = self.devices
+        if (cores := self.cores) is not None:
+            # vLLM on CPU binds its OpenMP threads to every core unless told which; torch sizes its pool by these.
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
+            env["OMP_NUM_THREADS"] = str(len(cores))
         return env
 
     def readiness(self, role: Role) -> str:

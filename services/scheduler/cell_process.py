@@ -11,6 +11,7 @@ import sys
 import time
 from datetime import datetime
 from pathlib import Path
+from collections.abc import Callable
 from typing import IO
 
 from shared.cells import Role
@@ -43,14 +44,16 @@ class CellProcess:
         return self.proc.returncode is not None
 
     @classmethod
-    async def start(cls, argv: list[str], *, env: dict[str, str], role: Role, log_path: Path) -> CellProcess:
+    async def start(cls, argv: list[str], *, env: dict[str, str], role: Role, log_path: Path,
+                    cores: list[int] | None = None) -> CellProcess:
+        """Start `argv`; with `cores`, pinned to them (it and every thread and child it starts)."""
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log_file = open(log_path, "ab")
         launched_at = utcnow()
         try:
             proc = await asyncio.create_subprocess_exec(
                 *argv, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=asyncio.subprocess.STDOUT,
-                start_new_session=True, preexec_fn=_die_with_parent,
+                start_new_session=True, preexec_fn=_child_setup(cores),
             )
         except BaseException:
             log_file.close()
@@ -77,6 +80,15 @@ class CellProcess:
     def _signal(self, sig: signal.Signals) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, sig)
+
+
+def _child_setup(cores: list[int] | None) -> Callable[[], None]:
+    def setup() -> None:
+        _die_with_parent()
+        if cores:
+            os.sched_setaffinity(0, cores)
+
+    return setup
 
 
 def _die_with_parent() -> None:

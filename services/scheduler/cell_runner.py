@@ -328,7 +328,7 @@ class CellRunner:
         argv = self.command(role)
         try:
             proc = await CellProcess.start(argv, env=self.environment(role, standby=standby), role=role,
-                                           log_path=log_path)
+                                           log_path=log_path, cores=self.launch.cores)
         except OSError as exc:  # a command that does not exist or cannot run
             raise CellStartFailed(self.cell_id, role, f"could not start {argv}: {exc}") from exc
         self.procs[role] = proc

@@ -37,6 +37,10 @@ class CellSettings(BaseSettings):
     node_id: str = ""  # default: GYRE_NODE_ID (the host name)
     accelerators: int = Field(default=1, ge=1)  # per cell
     device: str = "cpu"
+    # On a CPU node: pin cell i's processes to cores [i × accelerators, (i + 1) × accelerators) of those this agent
+    # may use, so that a cell behaves like an accelerator of its own (vLLM's threads and the trainer's stay on
+    # them). Where the node has too few cores for every cell, nothing is pinned.
+    pin_cores: bool = False
     memory_bytes: int = Field(default=0, ge=0)
     kv_capacity_tokens: int = Field(default=1 << 20, ge=0)
     warm: bool = True

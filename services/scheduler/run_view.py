@@ -135,6 +135,11 @@ class RunView:
     # Prompt tokens targets took from moved KV rather than prefill again; moves that tried KV and recomputed.
     prefill_tokens_avoided: int = 0
     kv_fallbacks: int = 0
+    # The trainer's wait for its batch (a train cell ready, the batch incomplete) and the executions that ended in
+    # it: the peer policy's measured cost of a sample (TrainerView.sample_wait_s).
+    wait_s: float = 0.0
+    samples_waited: int = 0
+    wait_mark_s: float | None = None  # while the trainer waits: when the wait was last counted up to
     seen: set[uuid.UUID] = field(default_factory=set)
 
     def __post_init__(self) -> None:
@@ -150,7 +155,18 @@ class RunView:
         if self.origin is None:
             self.origin = event.occurred_at
         at = self.seconds_at(event.occurred_at)
+        if self.wait_mark_s is not None:
+            self.wait_s += max(0.0, at - self.wait_mark_s)
         data = event.data
+        folded = self._fold(data, at)
+        self.wait_mark_s = at if self._trainer_waits() else None
+        return folded
+
+    def _trainer_waits(self) -> bool:
+        ready = any(c.role is Role.TRAIN and c.state is CellState.ACTIVE for c in self.cells.values())
+        return ready and not self.done and not self.batch_complete(self.policy_version)
+
+    def _fold(self, data: object, at: float) -> bool:
         match data:
             case CellRegistered():
                 self._registered(data)
@@ -286,6 +302,8 @@ class RunView:
         if session is None:
             return  # not a session of this run's queries, or already ended
         self.queries[session.query_id].ended += 1
+        if session.step == self.policy_version and self.wait_mark_s is not None:
+            self.samples_waited += 1
         self.finished[execution_id] = FinishedExecution(execution_id, session.query_id, session.step, 0)
 
     # ---- reading ----
@@ -370,6 +388,7 @@ class RunView:
             to_rollout_s=mean(Role.ROLLOUT, self.switch_costs.to_rollout_s),
             migration_tokens_per_s=(self.migrated_tokens / self.migrated_s if self.migrated_tokens > 0
                                     else self.switch_costs.migration_tokens_per_s),
+            prefill_tokens_per_s=self.switch_costs.prefill_tokens_per_s,
         )
 
     def snapshot(self, now_s: float) -> Snapshot:
@@ -386,6 +405,7 @@ class RunView:
             batch_complete=self.batch_complete(version),
             steps_total=self.plan.total_steps,
             tokens_per_cell_s=self.tokens_per_cell_s,
+            sample_wait_s=self.wait_s / self.samples_waited if self.samples_waited else 0.0,
         )
         return Snapshot(
             now_s=now_s,

@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 from datetime import UTC, datetime, timedelta
 
 import pytest
 
 from services.scheduler.cell_launch import CellLaunch
-from services.scheduler.cell_process import HOLD_ARGV
+from services.scheduler.cell_process import HOLD_ARGV, CellProcess
 from services.scheduler.cell_reports import CellReports
 from services.scheduler.cell_settings import CellSettings
 from services.scheduler.cell_switch import keeps_old_process, kept_roles, merged_phases, restart_delay, takes_role_warm
@@ -149,3 +150,28 @@ def test_a_process_that_keeps_crashing_waits_longer_each_time_up_to_the_cap() ->
 def test_a_switchs_phases_are_its_reports_merged_in_order() -> None:
     assert merged_phases({"drain_s": 1.0}, {"wake_s": 0.5, "load_s": 0.2}, {"start_s": 3.0}) == {
         "drain_s": 1.0, "wake_s": 0.5, "load_s": 0.2, "start_s": 3.0}
+
+
+def test_a_pinned_cpu_cell_gets_its_own_cores_where_the_node_has_enough(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5})
+    cell = launch(1, pin_cores=True, accelerators=2)
+    assert cell.cores == [2, 3]
+    env = cell.environment(Role.ROLLOUT, {})
+    assert (env["VLLM_CPU_OMP_THREADS_BIND"], env["OMP_NUM_THREADS"]) == ("2,3", "2")
+    assert launch(1, accelerators=2).cores is None, "not asked for"
+    assert launch(1, pin_cores=True, accelerators=3).cores is None, "3 cells × 3 cores: the node has 6"
+    assert launch(1, pin_cores=True, device="cuda").cores is None
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in launch(1).environment(Role.ROLLOUT, {})
+
+
+async def test_a_pinned_process_and_its_threads_run_on_the_cores_given(tmp_path: Path) -> None:
+    import os
+    import sys
+
+    core = sorted(os.sched_getaffinity(0))[-1]
+    argv = [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"]
+    proc = await CellProcess.start(argv, env=dict(os.environ), role=Role.ROLLOUT, log_path=tmp_path / "p.log",
+                                   cores=[core])
+    assert await proc.wait() == 0
+    await proc.stop(1.0)
+    assert (tmp_path / "p.log").read_text().strip() == f"[{core}]"

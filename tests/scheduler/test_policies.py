@@ -300,3 +300,57 @@ def test_elastic_sends_an_empty_rollout_cell_to_training_when_a_backlog_waits() 
     outcome = apply_actions(s, ElasticPolicy().decide(s), allow_parking=False)
     assert idle_cells_while_work_waits(ElasticPolicy(), s, outcome) == []
     assert outcome.roles["c0"] is Role.ROLLOUT
+
+
+# ---------------------------------------------------------------- the peer policy's options
+
+
+def peer(gate: str = "step") -> ElasticPolicy:
+    return ElasticPolicy(transfer="recompute", gate=gate)  # type: ignore[arg-type]
+
+
+@PROPS
+@given(snapshots())
+def test_the_peer_policy_never_kills_sessions_and_moves_them_only_by_recompute(s: Snapshot) -> None:
+    policy = make_policy("reprefill", budget_cells=s.budget_cells)
+    outcome = check(policy, s)
+    assert not outcome.parked
+    moves = [a for a in policy.decide(s) if isinstance(a, MigrateSession)]
+    assert all(m.method == "recompute" for m in moves)
+    assert all(m.method == "kv" for m in ElasticPolicy().decide(s) if isinstance(m, MigrateSession))
+
+
+def with_wait(s: Snapshot, wait_s: float) -> Snapshot:
+    from dataclasses import replace
+
+    return replace(s, trainer=replace(s.trainer, sample_wait_s=wait_s))
+
+
+def test_the_step_gate_returns_train_cells_to_rollout_only_when_the_wait_saved_outweighs_the_round_trip() -> None:
+    # A query of 2 waits for room that only the train cells can give; the batch the trainer waits for (version 0,
+    # one query a batch) still has its two sessions running on c0.
+    cells = [cell(0, Role.ROLLOUT, slots=2), cell(1, Role.TRAIN), cell(2, Role.TRAIN)]
+    live = [session(0, "c0", batch=0), session(1, "c0", batch=0)]
+    s = snap(cells, live, queued=1, group=2, k=1, dispatched=1)
+    # 2 unfinished × wait × the train pool's share 2/3 against 8.52 + 3.46 s: 8.9 s a sample is too little, 9.1 enough.
+    assert not any(isinstance(a, AssignCell) and a.role is Role.ROLLOUT for a in peer().decide(with_wait(s, 8.9)))
+    assert AssignCell("c1", Role.ROLLOUT) in peer().decide(with_wait(s, 9.1))
+    assert AssignCell("c1", Role.ROLLOUT) in peer().decide(s), "no measured wait yet: the gate is open"
+    assert AssignCell("c1", Role.ROLLOUT) in ElasticPolicy(transfer="recompute").decide(with_wait(s, 8.9))
+
+
+def test_the_step_gate_keeps_train_cells_once_the_batch_is_complete() -> None:
+    cells = [cell(0, Role.ROLLOUT, slots=2), cell(1, Role.TRAIN), cell(2, Role.TRAIN)]
+    s = snap(cells, [session(0, "c0", batch=1), session(1, "c0", batch=1)], queued=1, group=2, k=1, dispatched=1,
+             backlog=10**6, complete=True)
+    assert not any(isinstance(a, AssignCell) and a.role is Role.ROLLOUT for a in peer().decide(with_wait(s, 1e6)))
+
+
+def test_the_step_gate_consolidates_whatever_the_payback() -> None:
+    # The scenario elastic's payback test refuses (1 token of backlog): verl hands cells to the trainer whenever
+    # it wants them, and pays the recompute.
+    cells = [cell(0, Role.ROLLOUT), cell(1, Role.ROLLOUT), cell(2, Role.TRAIN)]
+    live = [session(0, "c0", batch=3), session(1, "c1", batch=3)]
+    s = snap(cells, live, backlog=1, complete=True, k=3)
+    moves = [a for a in peer().decide(s) if isinstance(a, MigrateSession)]
+    assert moves and all(m.method == "recompute" for m in moves)

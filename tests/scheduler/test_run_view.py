@@ -366,3 +366,22 @@ def test_a_simulated_run_dispatches_each_query_once_within_the_bound(mode, cells
     assert steps == sorted(steps)  # queries go out in plan order
     assert all(step <= version + staleness for step, version in dispatched)
     assert all(step < p.total_steps for step in steps)
+
+
+def test_the_trainers_wait_for_its_batch_is_measured_per_execution_it_waited_for() -> None:
+    """What the peer policy's gate goes on: seconds a ready train cell waited for its incomplete batch, divided by
+    the executions of that batch that ended while it waited. A rollout-only run measures nothing."""
+    v, log = view(), Log()
+    ready_cells(v, log, {"c0": "rollout"})
+    v.apply(log(v.plan.dispatch(0, policy_version=0, placements=("c0", "c0"))))
+    v.apply(log(ExecutionFinished(execution_id=eid(0, 0), elapsed_s=1, calls=1)))
+    assert (v.wait_s, v.samples_waited, v.snapshot(0).trainer.sample_wait_s) == (0.0, 0, 0.0)
+    ready_cells(v, log, {"c1": "train"})  # ready at second 6
+    v.apply(log(v.plan.dispatch(1, policy_version=0, placements=("c0", "c0"))))  # 7
+    v.apply(log(ExecutionFinished(execution_id=eid(0, 1), elapsed_s=1, calls=1)))  # 8
+    v.apply(log(ExecutionFinished(execution_id=eid(1, 0), elapsed_s=1, calls=1)))  # 9
+    v.apply(log(ExecutionFinished(execution_id=eid(1, 1), elapsed_s=1, calls=1)))  # 10: the batch is complete
+    assert v.samples_waited == 3 and v.wait_s == 4.0
+    assert v.snapshot(10).trainer.sample_wait_s == pytest.approx(4.0 / 3)
+    v.apply(log(ExecutionFinished(execution_id="someone-else", elapsed_s=1, calls=1)))
+    assert v.wait_s == 4.0, "no wait while the batch is complete"

@@ -144,6 +144,7 @@ def test_no_policy_beats_the_lower_bound_on_any_preset_or_seed(name: str, seed: 
         policies.AsyncPolicy(rollout_cells=p.cells - 1, fill=p.fill),
         policies.ColocatePolicy(fill=p.fill, run_ahead=True),
         policies.ColocatePolicy(fill=p.fill, run_ahead=False),
+        policies.ElasticPolicy(fill=p.fill, pack_fill=p.fill, transfer="recompute", gate="step"),  # the peer's
         # The strongest adversary we have: it knows every execution's duration and final context.
         ClairvoyantPolicy(p, w, slack=1.1),
     ]
@@ -190,7 +191,8 @@ def test_cli_writes_the_json_report_and_the_timeline(tmp_path: Path) -> None:
     )
     assert result.exit_code == 0, result.output
     summary = json.loads(result.output.strip().splitlines()[-1])
-    assert set(summary["hours"]) == {"elastic", "async", "colocate"}
+    assert set(summary["hours"]) == {"elastic", "async", "colocate", "reprefill", "elastic-recompute"}
+    assert summary["speedups"]["elastic_vs_reprefill"] > 0
     report = json.loads((tmp_path / "report_terminal.json").read_text())
     assert report["lower_bound"]["hours"] > 0
     assert (tmp_path / "timeline_terminal.png").stat().st_size > 10_000
@@ -419,3 +421,89 @@ def test_the_clairvoyant_reference_is_deterministic_and_runs_under_the_rules_of_
     assert max(runs[0].staleness) <= p.max_staleness
     assert runs[0].peak_fill <= 1.05  # packs by the sessions' own contexts, never far past a cell's KV
     assert len(runs[0].step_times) == p.steps
+
+
+# ---------------------------------------------------------------- the peer policy: abort and prefill again
+
+
+@dataclass
+class MoveOnce:
+    """Puts all of one query's sessions on the first cell, then moves the last one to the second by `method`."""
+
+    method: str
+    name: str = "move-once"
+    allows_parking: bool = False
+    moved_at: float | None = None
+
+    def decide(self, snap: policies.Snapshot) -> list[policies.Action]:
+        first, second = (c.cell_id for c in snap.cells)
+        if snap.now_s == 0.0:
+            return [policies.AssignCell(first, policies.Role.ROLLOUT), policies.AssignCell(second, policies.Role.ROLLOUT)]
+        if snap.queued and all(c.state is policies.CellState.ACTIVE for c in snap.cells):
+            q = snap.queued[0]
+            return [policies.DispatchQuery(q.query_id, 0, (first,) * q.group_size)]
+        if snap.trainer.batch_complete:
+            return [policies.AssignCell(c.cell_id, policies.Role.TRAIN) for c in snap.cells
+                    if c.role is not policies.Role.TRAIN and c.state is policies.CellState.ACTIVE]
+        if self.moved_at is None and len(snap.live) == 2 and snap.now_s > 1_800.0:
+            self.moved_at = snap.now_s
+            e = snap.live[-1]
+            return [policies.MigrateSession(e.execution_id, first, second, self.method)]  # type: ignore[arg-type]
+        return []
+
+
+def test_a_recompute_move_keeps_the_work_done_and_stalls_its_target_for_the_prefill() -> None:
+    """The session loses nothing it generated (verl resubmits prompt + partial output), but its history is prefilled
+    again on the target at the preset's prefill rate, during which the target decodes nothing."""
+    hours = [1.0, 3.0]
+    runs = {}
+    for method in ("kv", "recompute"):
+        p, w = one_query(hours, "work", train_tokens_per_cell_s=1e6)
+        policy = MoveOnce(method)
+        sim = Simulation(p, w, policy, SimOptions(decide_interval_s=60.0, tick_s=600.0))
+        sim.run()
+        runs[method] = (sim, policy)
+        assert sim.trained_tokens == int(w.context_tokens.sum()), "every session did all of its work"
+    kv, (recompute, policy) = runs["kv"][0], runs["recompute"]
+    assert (kv.recomputes, recompute.recomputes) == (0, 1) and kv.migrations == recompute.migrations == 1
+    assert recompute.migrated_bytes == 0.0 and kv.migrated_bytes > 0.0
+    assert policy.moved_at is not None
+    p = recompute.p
+    assert p.prefill_rate() == 3.0 * p.train_tokens_per_cell_s
+    # The moved session's history when it moved, at the prefill rate: what the target stalled for.
+    assert recompute.recomputed_tokens > p.prompt_tokens
+    assert recompute.prefill_stall_cell_s == pytest.approx(recompute.recomputed_tokens / p.prefill_rate())
+    # With prefill 3x a 1e6 tokens/s trainer the recompute is quicker than 50 GB/s of KV at 180 KB a token.
+    assert recompute.migration_s < kv.migration_s
+
+
+def test_a_target_prefilling_decodes_nothing_until_it_is_done() -> None:
+    p, w = one_query([2.0, 2.0], "work")
+    sim = Simulation(p, w, policies.ElasticPolicy())
+    cell = sim.cells[1]
+    cell.role = policies.Role.ROLLOUT
+    cell.sessions.add(0)
+    cell.a = 0.2 * cell.cap
+    cell.prefill_until = 100.0
+    sim.t = 50.0
+    assert sim._rate(cell) == 0.0
+    sim.t = 100.0
+    assert sim._rate(cell) > 0.0
+
+
+def test_the_peer_policy_moves_every_session_by_recompute_and_finishes_above_the_bound() -> None:
+    p = reduced("terminal")
+    report = run_sim(p, seed=0, policies=("elastic", "reprefill", "elastic-recompute"), plots=False)
+    runs = report["policies"]
+    assert runs["elastic"]["recomputes"] == 0 and runs["elastic"]["migrations"] > 0
+    for name in ("reprefill", "elastic-recompute"):
+        assert runs[name]["recomputes"] == runs[name]["migrations"] > 0, name
+        assert runs[name]["prefill_stall_cell_h"] > 0.0
+        assert runs[name]["end_to_end_h"] >= report["lower_bound"]["hours"]
+        assert runs[name]["staleness"]["max"] <= p.max_staleness
+    assert runs["reprefill"]["sample_wait_s"] > 0.0, "the gate had a measured wait to go on"
+    speedups = report["speedups"]
+    assert set(speedups) >= {"elastic_vs_reprefill", "elastic_vs_elastic_recompute", "kv_share_of_reprefill_gap"}
+    gap = runs["reprefill"]["end_to_end_h"] - runs["elastic"]["end_to_end_h"]
+    from_kv = runs["elastic-recompute"]["end_to_end_h"] - runs["elastic"]["end_to_end_h"]
+    assert speedups["kv_share_of_reprefill_gap"] == pytest.approx(from_kv / gap)

@@ -28,6 +28,9 @@ from services.scheduler.policies.snapshot import (
 from shared.cells import Role
 
 POLICY_NAMES = ("elastic", "async", "colocate")
+# The closest peer's behaviour, for comparison: verl's step switching (sessions aborted and prefilled again,
+# switches gated on their measured cost), and elastic with only the first of those two changes.
+PEER_POLICY_NAMES = ("reprefill", "elastic-recompute")
 
 
 def make_policy(
@@ -42,16 +45,19 @@ def make_policy(
     """Build a policy by name; `rollout_cells` sizes async's fixed rollout pool (default: half);
     `elastic_timing` overrides the elastic policy's time constants (the defaults suit hour-long rollouts)."""
     match name:
-        case "elastic":
+        case "elastic" | "reprefill" | "elastic-recompute":
             timing = elastic_timing or ElasticTiming()
+            peer = {"reprefill": {"transfer": "recompute", "gate": "step"},
+                    "elastic-recompute": {"transfer": "recompute"}}.get(name, {})
             return ElasticPolicy(fill=fill, pack_fill=fill, train_horizon_s=timing.train_horizon_s,
-                                 min_dwell_s=timing.min_dwell_s, margin=timing.margin)
+                                 min_dwell_s=timing.min_dwell_s, margin=timing.margin, name=name,
+                                 **peer)  # type: ignore[arg-type]
         case "async":
             return AsyncPolicy(rollout_cells=rollout_cells or max(1, budget_cells // 2), fill=fill)
         case "colocate":
             return ColocatePolicy(fill=fill, run_ahead=colocate_run_ahead)
         case _:
-            raise PolicyConfigError(f"expected a policy in {POLICY_NAMES}, got {name!r}")
+            raise PolicyConfigError(f"expected a policy in {POLICY_NAMES + PEER_POLICY_NAMES}, got {name!r}")
 
 
 __all__ = [
@@ -69,6 +75,7 @@ __all__ = [
     "LiveExecution",
     "MigrateSession",
     "Outcome",
+    "PEER_POLICY_NAMES",
     "POLICY_NAMES",
     "Policy",
     "PolicyConfigError",

@@ -6,6 +6,7 @@ Actions in one decision apply in order: migrations and drains before the assignm
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from services.scheduler.policies.snapshot import CellState, Snapshot
 from shared.cells import Role
@@ -28,11 +29,16 @@ class DrainCell:
 
 @dataclass(frozen=True, slots=True)
 class MigrateSession:
-    """Move a live session's KV cache to another rollout cell; its requests are rerouted there."""
+    """Move a live session to another rollout cell; its requests are rerouted there.
+
+    `method` "kv" carries its KV cache over; "recompute" aborts its in-flight request and resubmits prompt and
+    partial output on the target, which prefills them again (the peer policy's way of moving a session).
+    """
 
     execution_id: str
     from_cell: str
     to_cell: str
+    method: Literal["kv", "recompute"] = "kv"
 
 
 @dataclass(frozen=True, slots=True)

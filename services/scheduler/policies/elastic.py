@@ -6,6 +6,7 @@ import heapq
 import math
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Literal
 
 from services.scheduler.policies.actions import Action, AssignCell, DispatchQuery, MigrateSession
 from services.scheduler.policies.base import Room, accepting, dispatch_onto, pending_sessions
@@ -41,6 +42,13 @@ class ElasticPolicy:
        is faster on a lightly loaded cell, and the long tail is what the step waits for.
     Hysteresis: the train pool shrinks only when it exceeds its target by `margin` cells, a cell does
     not leave a role within `min_dwell_s`, and a consolidation must buy `payback` times its cost.
+
+    Two options turn it into the closest peer's behaviour (verl's step switching), for comparison:
+    `transfer="recompute"` moves sessions by aborting them and prefilling their history again on the target
+    instead of carrying their KV over, and `gate="step"` replaces the payback test with verl's gate: a train cell
+    returns to rollout only while the trainer's current batch still has unfinished executions and those,
+    times the measured wait per execution, times the train pool's share of the budget, outweigh a round trip
+    of switches; a cell leaves rollout for the trainer whenever it is wanted there (docs/simulator.md).
     """
 
     fill: float = 0.9  # KV fraction new sessions may reserve on a cell
@@ -51,6 +59,8 @@ class ElasticPolicy:
     margin: int = 2
     max_moves: int = 256  # migrations per decision when spreading load
     critical_weight: float = 2.0  # load weight of the current batch's sessions when spreading
+    transfer: Literal["kv", "recompute"] = "kv"  # how a session moves: its KV, or its history prefilled again
+    gate: Literal["payback", "step"] = "payback"  # what a switch must clear: see the class docstring
     name: str = "elastic"
     allows_parking: bool = False
 
@@ -74,6 +84,8 @@ class ElasticPolicy:
             trainers = [c for c in cells if c.role is Role.TRAIN and c.state is CellState.ACTIVE]
             if work_now:
                 trainers = trainers[1:]  # keep the trainer alive while it has work
+            if not self._back_to_rollout_pays(snapshot, cells):
+                trainers = []
             donors = spare + trainers
             donors += [c for c in cells if c.role is Role.ROLLOUT and c.state is CellState.DRAINING]
             for cell in donors:
@@ -112,7 +124,7 @@ class ElasticPolicy:
             n_train += role is Role.TRAIN
         if n_train < target:
             actions += self._consolidate(snapshot, cells, room, placed | moved, target - n_train)
-        elif n_train > target + self.margin and snapshot.live:
+        elif n_train > target + self.margin and snapshot.live and self._back_to_rollout_pays(snapshot, cells):
             actions += self._release_trainers(snapshot, cells, n_train - target)
         actions += self._spread(snapshot, cells, room, actions)
         if work_now:
@@ -175,16 +187,15 @@ class ElasticPolicy:
             plan = self._plan_moves(snapshot, sessions, cell.cell_id, pack, receivers)
             if plan is None:
                 break  # cells are tried emptiest first: if this one does not fit, fuller ones will not
-            if sessions:
-                move_s = max(snapshot.reserved_tokens(e) for e in sessions) / costs.migration_tokens_per_s
-                cost_s = move_s + costs.to_train_s + costs.to_rollout_s
+            if sessions and self.gate == "payback":
+                cost_s = self._move_s(snapshot, plan) + costs.to_train_s + costs.to_rollout_s
                 if self._training_horizon_s(snapshot, n_train + 1) < self.payback * cost_s:
                     break
             for e, dst in plan:
                 need = snapshot.reserved_tokens(e)
                 pack.reserved[dst] += need
                 pack.reserved[cell.cell_id] -= need
-                actions.append(MigrateSession(e.execution_id, cell.cell_id, dst))
+                actions.append(MigrateSession(e.execution_id, cell.cell_id, dst, self.transfer))
                 received.add(dst)
             receivers.discard(cell.cell_id)
             actions.append(AssignCell(cell.cell_id, Role.TRAIN))
@@ -274,8 +285,46 @@ class ElasticPolicy:
             heapq.heappush(low, (load[lo], lo))
             heapq.heappush(high, (-load[lo], lo))
             heapq.heappush(low, (load[hi], hi))
-            actions.append(MigrateSession(e.execution_id, hi, lo))
+            actions.append(MigrateSession(e.execution_id, hi, lo, self.transfer))
         return actions
+
+    def _move_s(self, snapshot: Snapshot, plan: list[tuple[LiveExecution, str]]) -> float:
+        """How long moving a cell's sessions keeps them from decoding: KV moves run side by side, each at the
+        migration rate; recomputes queue on their target, whose prefill they share."""
+        costs = snapshot.switch_costs
+        if self.transfer == "kv":
+            return max(snapshot.reserved_tokens(e) for e, _ in plan) / costs.migration_tokens_per_s
+        per_target: dict[str, int] = defaultdict(int)
+        for e, dst in plan:
+            per_target[dst] += e.context_tokens
+        return max(per_target.values()) / costs.prefill_tokens_per_s
+
+    def _back_to_rollout_pays(self, snapshot: Snapshot, cells: list[CellView]) -> bool:
+        """Whether train cells may go back to rollout: always under the payback gate; under the step gate only
+        while the trainer waits on executions of its batch and the wait they would save outweighs a round trip.
+
+        The saving is verl's estimate: executions still to finish × measured wait per execution × the share of
+        the budget the train pool holds (the extra rollout capacity it brings). Without a measured wait yet the
+        gate is open, as verl's is before it has history.
+        """
+        if self.gate == "payback":
+            return True
+        trainer = snapshot.trainer
+        if trainer.batch_complete or trainer.policy_version >= trainer.steps_total:
+            return False
+        version = trainer.policy_version
+        remaining = sum(1 for e in snapshot.live if e.batch == version)
+        first_after = (version + 1) * snapshot.batch_queries
+        undispatched = max(0, first_after - max(snapshot.queries_dispatched, version * snapshot.batch_queries))
+        remaining += undispatched * (snapshot.queued[0].group_size if snapshot.queued else 0)
+        if remaining == 0:
+            return False
+        if trainer.sample_wait_s <= 0:
+            return True
+        n_train = sum(1 for c in cells if c.role is Role.TRAIN)
+        share = n_train / max(1, snapshot.budget_cells)
+        costs = snapshot.switch_costs
+        return remaining * trainer.sample_wait_s * share > costs.to_rollout_s + costs.to_train_s
 
     def _training_horizon_s(self, snapshot: Snapshot, train_cells: int) -> float:
         """How long the training work in sight keeps `train_cells` busy (inf when unmeasured)."""

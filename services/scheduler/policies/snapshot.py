@@ -76,6 +76,9 @@ class TrainerView:
     batch_complete: bool  # every execution of the current batch has finished
     steps_total: int  # the run ends after this many steps
     tokens_per_cell_s: float = 0.0  # measured training throughput of one cell (0: not measured yet)
+    # Seconds the trainer waited per execution it had to wait for, over the run so far (the wait while its batch
+    # was incomplete, divided by the executions that finished in it); 0: no wait measured yet.
+    sample_wait_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +90,8 @@ class SwitchCosts:
     # About what one 12k-token move took on the live system (docs/rollout.md, "Benchmark"): the prior the live
     # scheduler uses until it has measured a migration (the simulator always sets its own).
     migration_tokens_per_s: float = 10_000.0
+    # The rate a target prefills a session moved by recompute (its history again): what a move without KV costs.
+    prefill_tokens_per_s: float = 20_000.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,7 @@ from typing import Any
 
 import typer
 
-from services.scheduler.policies import POLICY_NAMES
+from services.scheduler.policies import PEER_POLICY_NAMES, POLICY_NAMES
 from services.scheduler.sim.presets import get_preset, preset_names
 from services.scheduler.sim.runner import run_sim
 from services.scheduler.sim.workload import PresetError
@@ -22,7 +22,10 @@ def sim(
     steps: int | None = typer.Option(None, help="optimiser steps (default: the preset's)"),
     seed: int = typer.Option(0, help="workload seed; a seed fixes the whole run"),
     out: Path = typer.Option(Path("sim-out"), help="folder for report_<preset>.json and the images"),
-    policies: str = typer.Option(",".join(POLICY_NAMES), help="comma-separated policies"),
+    policies: str = typer.Option(
+        ",".join(POLICY_NAMES + PEER_POLICY_NAMES),
+        help="comma-separated policies: the three modes, and the peer's (reprefill: verl's step switching, "
+             "sessions aborted and prefilled again; elastic-recompute: elastic's decisions, sessions recomputed)"),
     cells: int | None = typer.Option(None, help="override the preset's cell budget"),
     batch_queries: int | None = typer.Option(None, help="override the preset's queries per step"),
     budget: str | None = typer.Option(

@@ -85,6 +85,7 @@ class _Cell:
     heap: list[tuple[float, int, int]] = field(default_factory=list)
     sessions: set[int] = field(default_factory=set)
     stamp: int = 0
+    prefill_until: float = 0.0  # sessions moved here by recompute are prefilled until then; decode waits
     seg_start: float = 0.0
     seg_label: str = "idle"
     segments: list[tuple[float, float, str]] = field(default_factory=list)
@@ -145,6 +146,12 @@ class Simulation:
         self.migrations = 0
         self.migrated_bytes = 0.0
         self.migration_s = 0.0
+        self.recomputes = 0  # moves by abort and prefill again (the peer policy's)
+        self.recomputed_tokens = 0.0
+        self.prefill_stall_cell_s = 0.0  # cell-seconds a target's decode waited on those prefills
+        # The trainer's wait for its batch, and the executions it waited for: the peer gate's measured cost.
+        self.sample_wait_s = 0.0
+        self.samples_waited = 0
         self.staleness: list[int] = []
         self.step_times: list[float] = []
         self.decisions = 0
@@ -174,15 +181,22 @@ class Simulation:
         self.area["rollout_empty"] += dt * c["rollout_empty"]
         busy = self.in_overhead or (self.backlog > 1e-9 and self.train_rate > 0)
         self.area["train_busy" if busy else "train_waiting"] += dt * c["train"]
+        if self._trainer_waits():
+            self.sample_wait_s += dt
         self.area["switching"] += dt * c["switching"]
         self.area["idle"] += dt * c["idle"]
         self.acc_t = t
+
+    def _trainer_waits(self) -> bool:
+        """Train cells stand ready while the batch they are to train is not complete."""
+        return self.cat_count["train"] > 0 and not self.in_overhead and not self._batch_complete() \
+            and self.backlog <= 1e-9 and self.version < self.p.steps
 
     def _recat(self, cell: _Cell) -> None:
         if cell.state is CellState.SWITCHING:
             cat = "switching"
         elif cell.role is Role.ROLLOUT:
-            cat = "rollout_busy" if cell.sessions else "rollout_empty"
+            cat = "rollout_busy" if cell.sessions or cell.prefill_until > self.t else "rollout_empty"
         elif cell.role is Role.TRAIN:
             cat = "train"
         else:
@@ -207,6 +221,8 @@ class Simulation:
 
     def _rate(self, cell: _Cell) -> float:
         if cell.role is not Role.ROLLOUT or cell.state is CellState.SWITCHING or not cell.sessions:
+            return 0.0
+        if self.t < cell.prefill_until:
             return 0.0
         ctx = max(0.0, cell.a + cell.k * cell.v)
         fill = ctx / cell.cap
@@ -303,6 +319,8 @@ class Simulation:
 
     def _finish(self, s: _Session) -> None:
         eid = f"s{s.sid}"
+        if s.batch == self.version and self._trainer_waits():
+            self.samples_waited += 1
         tokens = s.final_tokens
         self.trained_tokens += tokens
         self.finished[s.sid] = FinishedExecution(eid, f"q{s.query}", s.batch, tokens)
@@ -412,6 +430,7 @@ class Simulation:
             batch_complete=self._batch_complete(),
             steps_total=self.p.steps,
             tokens_per_cell_s=self.p.train_tokens_per_cell_s,
+            sample_wait_s=self.sample_wait_s / self.samples_waited if self.samples_waited else 0.0,
         )
         return Snapshot(
             now_s=self.t,
@@ -426,7 +445,8 @@ class Simulation:
             queries_dispatched=self.dispatched,
             session_kv_reserve_tokens=self.reserve_tokens,
             switch_costs=SwitchCosts(self.p.to_train_s, self.p.to_rollout_s,
-                                     self.p.migration_bytes_per_s / self.p.kv_bytes_per_token),
+                                     self.p.migration_bytes_per_s / self.p.kv_bytes_per_token,
+                                     self.p.prefill_rate()),
         )
 
     def _cell_view(self, c: _Cell) -> CellView:
@@ -468,7 +488,7 @@ class Simulation:
                 if role is Role.ROLLOUT and cell.sessions:
                     # Parked sessions (colocate) lost their KV with the engine: recompute it.
                     self._advance(cell)
-                    cost += (cell.a + cell.k * cell.v) / self.p.prefill_tokens_per_s
+                    cost += (cell.a + cell.k * cell.v) / self.p.prefill_rate()
                 self._advance(cell)
                 cell.role = role
                 cell.state = CellState.SWITCHING
@@ -482,14 +502,17 @@ class Simulation:
                 cell = self.cells[by_id(cid)]
                 cell.state = CellState.DRAINING
                 self._recat(cell)
-            case MigrateSession(execution_id=eid, to_cell=dst):
+            case MigrateSession(execution_id=eid, to_cell=dst, method=method):
                 s = self.sessions[int(eid[1:])]
                 self._detach(s)
-                nbytes = (s.l0 + s.slope * s.done) * self.p.kv_bytes_per_token
-                dt = nbytes / self.p.migration_bytes_per_s
                 s.migrating = True
                 s.cell = by_id(dst)
                 self.migrations += 1
+                if method == "recompute":
+                    self._recompute_on(s, self.cells[s.cell])
+                    return
+                nbytes = (s.l0 + s.slope * s.done) * self.p.kv_bytes_per_token
+                dt = nbytes / self.p.migration_bytes_per_s
                 self.migrated_bytes += nbytes
                 self.migration_s += dt
                 self._push(self.t + dt, _MIGRATED, s.sid)
@@ -512,6 +535,21 @@ class Simulation:
                     self._attach(s, self.cells[by_id(cid)])
                     if self.p.budget == "wall_clock":
                         self._push(self.t + self.p.timeout_h * HOUR, _DEADLINE, row)
+
+    def _recompute_on(self, s: _Session, target: _Cell) -> None:
+        """An aborted session resubmitted on `target` with prompt and partial output (nothing generated is lost):
+        the target prefills its history after any prefills queued before it, and decodes nothing meanwhile."""
+        tokens = s.l0 + s.slope * s.done
+        self._advance(target)
+        start = max(self.t, target.prefill_until)
+        target.prefill_until = start + tokens / self.p.prefill_rate()
+        self.recomputes += 1
+        self.recomputed_tokens += tokens
+        self.prefill_stall_cell_s += target.prefill_until - start
+        self.migration_s += target.prefill_until - self.t
+        self._recat(target)
+        self._reschedule(target)
+        self._push(target.prefill_until, _MIGRATED, s.sid, target.idx + 1)
 
     def _cell_index(self, cell_id: str) -> int:
         return int(cell_id[1:])
@@ -544,6 +582,8 @@ class Simulation:
                 if s is not None:  # None: its budget ran out while its KV was in flight
                     s.migrating = False
                     self._attach(s, self.cells[s.cell])
+                elif b:  # a recompute whose session ended: its target's prefill is over all the same
+                    self._reschedule(self.cells[b - 1])
             elif kind == _TRAIN:
                 self._on_train_event(a)
             elif kind == _STEP:

@@ -17,7 +17,7 @@ def _add(p: Preset) -> Preset:
 # Cluster: 128 cells of 32 H200-class GPUs (a 2.4T model in FP8 needs ~2.4 TB just for weights, so a
 # rollout engine spans 32 GPUs); ~1.5 TB of HBM left for KV at ~180 KB/token -> 8M tokens per cell.
 # Training: ~8e12 FLOP per token at 700K context (attention dominates) on 32 GPUs at ~40% MFU
-# -> ~1.5K tokens/s per cell.
+# -> ~1.5K tokens/s per cell; prefill (a session's history computed again) 3x that (Preset.prefill_rate).
 FLAGSHIP = _add(
     Preset(
         name="flagship",
@@ -38,7 +38,6 @@ FLAGSHIP = _add(
         gen_fraction=0.7,
         nominal_fill=0.5,
         kv_half_fill=0.5,
-        prefill_tokens_per_s=400_000.0,
         migration_bytes_per_s=50e9,
         train_tokens_per_cell_s=1_500.0,
         step_overhead_s=300.0,

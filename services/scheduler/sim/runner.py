@@ -86,6 +86,10 @@ def metrics(sim: Simulation, end_s: float, wall_s: float, rollout_cells: int | N
         "migrations": sim.migrations,
         "migrated_gb": sim.migrated_bytes / 1e9,
         "migration_session_h": sim.migration_s / HOUR,
+        "recomputes": sim.recomputes,  # of the migrations: moves by abort and prefill again
+        "recomputed_m_tokens": sim.recomputed_tokens / 1e6,
+        "prefill_stall_cell_h": sim.prefill_stall_cell_s / HOUR,
+        "sample_wait_s": sim.sample_wait_s / sim.samples_waited if sim.samples_waited else 0.0,
         "staleness": {
             "bound": sim.p.max_staleness,
             "mean": sum(stale) / len(stale) if stale else 0.0,
@@ -99,6 +103,18 @@ def metrics(sim: Simulation, end_s: float, wall_s: float, rollout_cells: int | N
         "colocate_run_ahead": sim.p.colocate_run_ahead if sim.policy.name == "colocate" else None,
         "sim_wall_s": wall_s,
     }
+
+
+def kv_share(runs: dict[str, dict[str, Any]]) -> float:
+    """How much of elastic's lead over the peer policy comes from moving KV rather than prefilling again.
+
+    elastic-recompute makes elastic's decisions but moves sessions as the peer does, so elastic → elastic-recompute
+    is what recomputing costs and elastic-recompute → reprefill what the peer's switching gate costs (or saves, when
+    negative); the share is the first over the whole gap (nan when there is no gap).
+    """
+    elastic = runs["elastic"]["end_to_end_h"]
+    gap = runs["reprefill"]["end_to_end_h"] - elastic
+    return (runs["elastic-recompute"]["end_to_end_h"] - elastic) / gap if abs(gap) > 1e-9 else math.nan
 
 
 def run_sim(
@@ -135,9 +151,12 @@ def run_sim(
         sims[name] = sim
     speedups: dict[str, float] = {}
     if "elastic" in runs:
-        for other in ("async", "colocate"):
+        for other in ("async", "colocate", "reprefill", "elastic-recompute"):
             if other in runs:
-                speedups[f"elastic_vs_{other}"] = runs[other]["end_to_end_h"] / runs["elastic"]["end_to_end_h"]
+                key = f"elastic_vs_{other}".replace("-", "_")
+                speedups[key] = runs[other]["end_to_end_h"] / runs["elastic"]["end_to_end_h"]
+        if "reprefill" in runs and "elastic-recompute" in runs:
+            speedups["kv_share_of_reprefill_gap"] = kv_share(runs)
     report: dict[str, Any] = {
         "preset": p.name,
         "seed": seed,

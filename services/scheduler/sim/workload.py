@@ -56,7 +56,9 @@ class Preset:
     gen_fraction: float = 0.5  # share of an execution's nominal time spent waiting on generation
     nominal_fill: float = 0.5  # KV fill at which nominal durations hold
     kv_half_fill: float = 0.5  # KV fill at which attention reads cost as much as weight reads
-    prefill_tokens_per_s: float = 200_000.0  # recompute rate when a parked session resumes
+    # The rate a cell prefills a history again (a parked session resuming, a session moved by recompute).
+    # None: derived from training, `prefill_rate()`.
+    prefill_tokens_per_s: float | None = None
     migration_bytes_per_s: float = 25e9
     to_train_s: float = 8.52
     to_rollout_s: float = 3.46
@@ -81,6 +83,12 @@ class Preset:
 
     def scaled(self, **changes: object) -> Preset:
         return replace(self, **changes)  # type: ignore[arg-type]
+
+    def prefill_rate(self) -> float:
+        """Tokens per second a cell prefills: as given, else 3 × what it trains. Prefilling a context is the
+        forward pass over it, a third of a training step's FLOPs (forward + backward ≈ 3 forwards), at the same
+        utilisation; at these contexts attention dominates both, so the ratio holds per token of context."""
+        return self.prefill_tokens_per_s if self.prefill_tokens_per_s else 3.0 * self.train_tokens_per_cell_s
 
     def nominal_cap_h(self) -> float:
         """The most nominal hours an execution can run: the budget itself when it caps work; under a
