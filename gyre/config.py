@@ -117,6 +117,21 @@ class WarmStartSection(_Section):
     lr: float = Field(default=2e-3, gt=0)
     slip_rate: float = Field(default=0.7, ge=0, le=1)
     model: Path | None = None
+    # The task families demonstrated: empty, the learnable shell family's (gyre/run_plan.py LEARNABLE_FAMILIES);
+    # `project` is the long-horizon family (services/harness/projects.py), builtin format only.
+    families: list[str] = Field(default_factory=list)
+
+    @field_validator("families")
+    @classmethod
+    def _known_families(cls, value: list[str]) -> list[str]:
+        from services.harness.demos import FAMILIES
+        from services.harness.projects import FAMILY
+
+        known = (*FAMILIES, FAMILY)
+        unknown = [f for f in value if f not in known]
+        if unknown:
+            raise ValueError(f"unknown families {unknown}; expected some of {list(known)}")
+        return value
 
 
 class LoggingSection(_Section):
@@ -209,7 +224,7 @@ VARIABLES: dict[str, tuple[str, ...]] = {
     "optim.drop_zero_variance": ("GYRE_DROP_ZERO_VARIANCE",),
     "logging.level": ("GYRE_LOG_LEVEL",),
 }
-LIST_SETTINGS = frozenset({"tasks.train", "tasks.held_out", "logging.trackers"})
+LIST_SETTINGS = frozenset({"tasks.train", "tasks.held_out", "logging.trackers", "warm_start.families"})
 
 
 def leaves(model: type[BaseModel], prefix: str = "") -> Iterator[str]:

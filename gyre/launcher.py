@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import secrets
 import signal
 import sys
@@ -307,11 +308,13 @@ def run(
     cells: Annotated[int | None, typer.Option(help="scheduling.cells on this machine.")] = None,
     restart: Annotated[bool, typer.Option(
         "--restart", help="scheduling.warm=false: switch cells by restarting their process.")] = False,
+    run_id: Annotated[str | None, typer.Option(
+        "--run-id", help="Name the new run (letters, digits, - and _; default: a fresh run-<hex>).")] = None,
 ) -> None:
     """Run the RL loop from one config: infrastructure, model, warm start, then RL with every service as a process."""
     given = locals()
     try:
-        config, plan, run_id, run_dir, record = _plan(given, config_file, sets or [], resume, restart)
+        config, plan, run_id, run_dir, record = _plan(given, config_file, sets or [], resume, restart, run_id)
         if not dry_run:
             plan.check()
     except ConfigError as exc:  # one line per problem, each naming its key; nothing has started
@@ -328,7 +331,7 @@ def run(
 
 
 def _plan(given: dict[str, Any], config_file: Path | None, sets: list[str], resume: str | None, restart: bool,
-          ) -> tuple[RunConfig, RunPlan, str, Path, RunRecord | None]:
+          run_id: str | None = None) -> tuple[RunConfig, RunPlan, str, Path, RunRecord | None]:
     """The run's config (the file, or a resumed run's own, with the flags and `--set` over it) and its plan."""
     overrides: dict[str, Any] = {key: given[flag] for flag, key in FLAGS.items() if given[flag] is not None}
     overrides = {k: str(v) if isinstance(v, Path) else v for k, v in overrides.items()}
@@ -344,7 +347,14 @@ def _plan(given: dict[str, Any], config_file: Path | None, sets: list[str], resu
         config_file = runs_dir / resume / RUN_CONFIG
     config, sources = load_config(config_file, overrides=overrides)
     plan = plan_run(config, sources)
-    run_id = record.run_id if record else new_run_id()
+    if run_id is not None:
+        if resume is not None:
+            raise ConfigError("--run-id names a new run; --resume continues the run it names")
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}", run_id):
+            raise ConfigError(f"--run-id: expected letters, digits, - and _ (at most 64), got {run_id!r}")
+        if (Path(config.logging.runs_dir) / run_id).exists():
+            raise ConfigError(f"--run-id: {Path(config.logging.runs_dir) / run_id} exists: name a new run")
+    run_id = record.run_id if record else run_id or new_run_id()
     return config, plan, run_id, Path(config.logging.runs_dir) / run_id, record
 
 

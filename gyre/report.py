@@ -17,14 +17,18 @@ from shared.events import (
     CellDrained,
     CellDraining,
     CellReady,
+    CallCompleted,
     CellReleased,
     Event,
     ExecutionBranched,
+    ExecutionFinished,
     ExecutionResumed,
     ExecutionScored,
     ExecutionStarted,
+    ExecutionTimedOut,
     GroupFormed,
     KvMigrated,
+    QueryDispatched,
     RankStepped,
     StepCompleted,
     WeightsLoaded,
@@ -44,6 +48,7 @@ class StepRow:
     world_size: int | None = None  # the trainer group's, from step.completed
     roles: dict[str, int] = field(default_factory=dict)  # cells serving each role when the step completed
     ranks: list[dict[str, Any]] = field(default_factory=list)  # each rank's part (trainer.rank_stepped)
+    completed_s: float | None = None  # when the step completed, seconds from the run's first event
 
 
 @dataclass
@@ -106,6 +111,13 @@ class RunReport:
     weights_retired: int = 0  # versions whose objects retention deleted
     weights_retired_bytes: int = 0
     wall_s: float | None = None
+    first_dispatch_s: float | None = None  # the run's first query.dispatched (what precedes it is start-up)
+    # Batch step − dispatch version of every query: how stale rollouts were when their batch was trained.
+    staleness: dict[str, float] = field(default_factory=dict)
+    # Per cell: [start, end] seconds during which it held at least one live session (placed, moved or served there),
+    # and during which its trainer rank computed a step: what the cell-time shares split roles into busy and not.
+    occupied: dict[str, list[list[float]]] = field(default_factory=dict)
+    rank_busy: dict[str, list[list[float]]] = field(default_factory=dict)
     tasks_left_out: dict[str, str] = field(default_factory=dict)  # named to train on, not runnable here: why
 
     def to_json(self) -> str:
@@ -142,11 +154,15 @@ def build_report(run_id: str, events: Sequence[Event]) -> RunReport:
     forks: Counter[str] = Counter()
     migrations: Counter[str] = Counter()
     role_since: dict[str, tuple[str, float]] = {}
+    completed_at: dict[int, float] = {}
     serving: dict[str, str] = {}  # cell -> the role it serves (cell.ready) until it leaves it
     switching: dict[str, Switch] = {}
     syncs: dict[int, dict[str, Any]] = {}
     served_by: set[tuple[str, int]] = set()  # (worker, version): the first weights.loaded of each counts
     t0 = events[0].occurred_at if events else None
+    placed: dict[str, list[str]] = {}  # query -> cell per sample
+    lag: list[int] = []
+    occupancy = _Occupancy()
 
     def t(event: Event) -> float:
         assert t0 is not None
@@ -156,6 +172,18 @@ def build_report(run_id: str, events: Sequence[Event]) -> RunReport:
         data = event.data
         if isinstance(data, ExecutionStarted):
             step_of[data.execution_id] = data.step
+            places = placed.get(data.query_id, [])
+            if data.sample_index < len(places):
+                occupancy.at(data.execution_id, places[data.sample_index], t(event))
+        elif isinstance(data, QueryDispatched):
+            placed[data.query_id] = list(data.placements)
+            lag.append(data.step - data.policy_version)
+            if report.first_dispatch_s is None:
+                report.first_dispatch_s = t(event)
+        elif isinstance(data, CallCompleted):
+            occupancy.at(data.execution_id, data.cell_id, t(event))
+        elif isinstance(data, (ExecutionFinished, ExecutionTimedOut)):
+            occupancy.end(data.execution_id, t(event))
         elif isinstance(data, ExecutionScored):
             report.executions += 1
             report.timed_out += int(data.timed_out)
@@ -182,10 +210,12 @@ def build_report(run_id: str, events: Sequence[Event]) -> RunReport:
             report.cap_dropped_targets += data.dropped_targets
         elif isinstance(data, StepCompleted):
             completed[data.step] = data
+            completed_at[data.step] = t(event)
             roles_at[data.step] = dict(sorted(Counter(serving.values()).items()))
         elif isinstance(data, RankStepped):
             ranks[data.step].append({"cell_id": data.cell_id, "rank": data.rank, "tokens": data.tokens,
                                      "micro_batches": data.micro_batches, "seconds": data.seconds})
+            report.rank_busy.setdefault(data.cell_id, []).append([max(0.0, t(event) - data.seconds), t(event)])
         elif isinstance(data, GroupFormed):
             report.world_sizes.append({"t_s": t(event), "world_size": data.world_size, "members": data.members,
                                        "generation": data.generation, "seconds": data.seconds,
@@ -200,6 +230,7 @@ def build_report(run_id: str, events: Sequence[Event]) -> RunReport:
                 switch.phases.update(data.phases)
                 switch.sessions_parked += data.parked_sessions
         elif isinstance(data, KvMigrated):
+            occupancy.at(data.execution_id, data.to_cell, t(event))
             migrations[data.method] += 1
             if data.method == "kv":
                 report.prefill_tokens_avoided += data.tokens
@@ -250,6 +281,7 @@ def build_report(run_id: str, events: Sequence[Event]) -> RunReport:
                 seconds=done.seconds if done else None,
                 world_size=done.world_size if done else None,
                 roles=roles_at.get(step, {}),
+                completed_s=completed_at.get(step),
                 ranks=sorted(ranks.get(step, []), key=lambda r: r["rank"]),
             )
         )
@@ -267,7 +299,49 @@ def build_report(run_id: str, events: Sequence[Event]) -> RunReport:
         report.dedup_factor = report.flat_tokens / report.unique_tokens
     report.weight_syncs = [syncs[v] for v in sorted(syncs)]
     report.wall_s = end
+    report.occupied = occupancy.intervals(end)
+    if lag:
+        report.staleness = {"mean": sum(lag) / len(lag), "max": max(lag)}
     return report
+
+
+class _Occupancy:
+    """Where each live session is (its placement, the cell that served its last call, where it was moved), folded
+    into each cell's intervals of holding at least one."""
+
+    def __init__(self) -> None:
+        self.cell_of: dict[str, str] = {}
+        self.count: dict[str, int] = defaultdict(int)
+        self.since: dict[str, float] = {}
+        self.done: dict[str, list[list[float]]] = defaultdict(list)
+        self.ended: set[str] = set()
+
+    def at(self, execution_id: str, cell_id: str, now: float) -> None:
+        if execution_id in self.ended or self.cell_of.get(execution_id) == cell_id:
+            return
+        self._leave(execution_id, now)
+        self.cell_of[execution_id] = cell_id
+        self.count[cell_id] += 1
+        if self.count[cell_id] == 1:
+            self.since[cell_id] = now
+
+    def end(self, execution_id: str, now: float) -> None:
+        self._leave(execution_id, now)
+        self.ended.add(execution_id)
+
+    def _leave(self, execution_id: str, now: float) -> None:
+        cell = self.cell_of.pop(execution_id, None)
+        if cell is None:
+            return
+        self.count[cell] -= 1
+        if self.count[cell] == 0:
+            self.done[cell].append([self.since.pop(cell), now])
+
+    def intervals(self, end: float) -> dict[str, list[list[float]]]:
+        out = {cell: list(spans) for cell, spans in self.done.items()}
+        for cell, since in self.since.items():
+            out.setdefault(cell, []).append([since, end])
+        return dict(sorted(out.items()))
 
 
 def _mean(values: list[float]) -> float:

@@ -293,6 +293,9 @@ def plan_run(config: RunConfig, sources: dict[str, str] | None = None) -> RunPla
     if config.warm_start.steps > 0 and config.warm_start.model is None and config.demo_format() != config.harness.kind:
         plan.warnings.append(f"warm_start.format: the demonstrations are in the {config.demo_format()} format, the "
                              f"run's harness is {config.harness.kind}")
+    if "project" in config.warm_start.families and config.demo_format() == "claude-code":
+        plan.errors.append("warm_start.families: the project family is demonstrated in the builtin agent's format "
+                           "only (its demonstrations delegate and compact as the builtin agent does)")
     if config.warm_start.model is not None and not (Path(config.warm_start.model) / "config.json").is_file():
         plan.errors.append(f"warm_start.model: {config.warm_start.model} is not a model folder (no config.json)")
     with tempfile.TemporaryDirectory(prefix="gyre-plan-") as scratch:

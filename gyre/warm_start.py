@@ -29,16 +29,16 @@ def warm_start(python: str, base: Path, run_dir: Path, config: RunConfig, env: d
     out = run_dir / "sft"
     data = run_dir / "warmstart" / "demos.jsonl"
     count = options.steps * options.conversations_per_step
+    families = tuple(options.families) or LEARNABLE_FAMILIES
     if config.demo_format() == "claude-code":
         from gyre.claude_code_demos import write_claude_code_demos
 
-        count = write_claude_code_demos(data, seed=config.seed, count=count, families=LEARNABLE_FAMILIES,
+        count = write_claude_code_demos(data, seed=config.seed, count=count, families=families,
                                         slip_rate=options.slip_rate)
     else:
         from services.harness.demos import write_demos
 
-        count = write_demos(data, seed=config.seed, count=count, families=LEARNABLE_FAMILIES,
-                            slip_rate=options.slip_rate)
+        count = write_demos(data, seed=config.seed, count=count, families=families, slip_rate=options.slip_rate)
     # A demonstration is never split: micro-batches hold the longest one (Claude Code's run to ~30,000 tokens).
     argv = [
         python, "-m", "gyre.cli", "train", "sft", "--model", str(base), "--data", str(data), "--out", str(out),

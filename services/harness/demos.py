@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.harness import taskgen
+from services.harness import task_files, taskgen
 from services.harness.agent_core import DELEGATE, SHELL, SUBMIT, SYSTEM_PROMPT, TOOL_SCHEMAS, format_shell_result
 from shared.chat import ToolCall, chat_template, template_tool, template_tool_call
 
@@ -68,12 +68,12 @@ class DemoInstance(BaseModel):
     def files(self) -> dict[str, str]:
         """The task folder's files, as taskgen writes them (task.yaml, tests, workspace...)."""
         files = _FAMILY_FUNCTIONS[self.family](self.task_id, **self.params)
-        files["run-tests.sh"] = taskgen.RUN_TESTS
+        files["run-tests.sh"] = task_files.RUN_TESTS
         files["params.json"] = json.dumps(self.params, sort_keys=True) + "\n"
         return files
 
 
-_FAMILY_FUNCTIONS: dict[str, Callable[..., taskgen.Files]] = {
+_FAMILY_FUNCTIONS: dict[str, Callable[..., task_files.Files]] = {
     "create-file": taskgen.create_file,
     "sum-numbers": taskgen.sum_numbers,
     "count-matches": taskgen.count_matches,
@@ -306,12 +306,30 @@ def write_demos(
     include_shipped: bool = False,
     slip_rate: float = 0.0,
 ) -> int:
-    """Write `count` demonstrations to `out` (JSONL); the shipped tasks' parameters are held out unless asked."""
+    """Write `count` demonstrations to `out` (JSONL); the shipped tasks' parameters are held out unless asked.
+
+    The long-horizon family (`project`, services/harness/projects.py) counts as one family among those named: its
+    share of `count` is records of its executions (main agent pieces and helpers), the rest one per instance."""
+    from services.harness import projects
+
     exclude = [] if include_shipped else list(shipped_params().values())
-    instances = sample_instances(
-        seed=seed, count=count, families=families, weights=weights, exclude=exclude, slip_rate=slip_rate
-    )
-    records = demo_records(instances, tools_system_text())
+    shell = [f for f in families if f != projects.FAMILY]
+    if weights is not None and len(shell) != len(families):
+        raise DemoError("weights: not with the project family, whose demonstrations are whole executions")
+    n_project = 0 if len(shell) == len(families) else round(count * (len(families) - len(shell)) / len(families))
+    records: list[dict[str, Any]] = []
+    if shell:
+        instances = sample_instances(
+            seed=seed, count=count - n_project, families=shell, weights=weights, exclude=exclude, slip_rate=slip_rate
+        )
+        records = demo_records(instances, tools_system_text())
+    if n_project:
+        main_system, helper_system = (tools_system_text(prompt, tools)
+                                      for prompt, tools in zip(projects.PROMPTS, (projects.MAIN_TOOLS,
+                                                                                  projects.HELPER_TOOLS)))
+        records += projects.sample_demos(seed=seed, count=n_project, main_system=main_system,
+                                         helper_system=helper_system, slip_rate=slip_rate, exclude=exclude)
+        random.Random(seed).shuffle(records)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     return len(records)
@@ -324,7 +342,8 @@ def _main(argv: list[str]) -> None:
     parser.add_argument("out", type=Path, help="JSONL file to write")
     parser.add_argument("--count", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated families")
+    parser.add_argument("--families", default=",".join(FAMILIES),
+                        help="comma-separated families (and `project`, the long-horizon one)")
     parser.add_argument("--weights", default="", help="comma-separated sampling weights, one per family")
     parser.add_argument("--include-shipped", action="store_true", help="also draw the shipped tasks' parameters")
     parser.add_argument("--slip-rate", type=float, default=0.0, help="fraction of demonstrations with a mistake")

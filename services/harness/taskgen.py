@@ -12,20 +12,7 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-RUN_TESTS = """#!/bin/bash
-# Runs the task's tests against the working directory; pytest's -rA summary is what gets scored.
-cd "${WORKDIR:-/app}"
-python -P -m pytest -rA -p no:cacheprovider "$TEST_DIR/test_outputs.py"
-"""
-
-TEST_HEADER = '''"""Tests for the generated task {task_id}; run by run-tests.sh after the agent stops."""
-
-from pathlib import Path
-
-APP = Path("/app")
-'''
-
-Files = dict[str, str]
+from services.harness.task_files import RUN_TESTS, TEST_HEADER, Files, write_task
 
 
 def _task_yaml(instruction: str, family: str, difficulty: str = "easy") -> str:
@@ -197,6 +184,10 @@ def _families() -> Iterator[tuple[str, Callable[..., Files], dict[str, object]]]
         yield f"sort-lines-{i + 1}", sort_lines, {"words": words}
     for i, (name, folder) in enumerate([("report.txt", "archive"), ("data.csv", "backup")]):
         yield f"move-file-{i + 1}", move_file, {"name": name, "folder": folder}
+    from services.harness import projects  # the long-horizon family
+
+    for task_id, params in projects.shipped():
+        yield task_id, projects.project, params
 
 
 def write_family(root: Path) -> list[Path]:
@@ -209,17 +200,6 @@ def write_family(root: Path) -> list[Path]:
         files["params.json"] = json.dumps(params, sort_keys=True) + "\n"
         written.append(write_task(folder, files))
     return written
-
-
-def write_task(folder: Path, files: Files) -> Path:
-    """Write one task folder's files (scripts executable); returns the folder."""
-    for relative, text in files.items():
-        path = folder / relative
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        if relative.endswith(".sh"):
-            path.chmod(0o755)
-    return folder
 
 
 if __name__ == "__main__":

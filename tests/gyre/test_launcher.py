@@ -19,7 +19,9 @@ from gyre.run_plan import LEARNABLE_FAMILIES, learnable_tasks, plan_run
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--mode", "fixed"], "error: command line: scheduling.mode: Input should be 'elastic', 'async' or 'colocate'"),
+        (["--mode", "fixed"],
+         "error: command line: scheduling.mode: Input should be 'elastic', 'async', 'colocate' or 'reprefill'"),
+        (["--run-id", "a b"], "error: --run-id: expected letters, digits, - and _"),
         (["--slip-rate", "1.5"], "warm_start.slip_rate: Input should be less than or equal to 1"),
         (["--warm-start", "/nonexistent/model"], "error: warm_start.model: /nonexistent/model is not a model folder"),
         (["--group-size", "0"], "scheduling.group_size: Input should be greater than or equal to 1"),

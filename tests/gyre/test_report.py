@@ -200,3 +200,33 @@ def test_weight_sync_reports_each_versions_latency_the_generation_pause_and_what
     assert "weight sync: 2 versions of 3.0 MiB (bfloat16); step end → every worker serving median 2.00 s" in text
     assert "(max 2.50; storing them median 0.50 s); generation paused median 0.250 s a load (max 0.400)" in text
     assert "weights retired: 1 versions, 3.0 MiB deleted" in text
+
+
+def test_report_times_steps_and_folds_occupancy_busy_ranks_and_staleness() -> None:
+    from shared.events import CallCompleted, ExecutionFinished, KvMigrated, QueryDispatched, RankStepped
+
+    ref = BlobRef(digest="sha256:" + "1" * 64, size=1)
+    events = [
+        ev(QueryDispatched(query_id="q0", task_id="t", group_size=2, seeds=[1, 2], step=1, policy_version=0,
+                           placements=["c0", "c1"]), 1),
+        ev(ExecutionStarted(execution_id="a", query_id="q0", task_id="t", group_size=2, sample_index=0, seed=1,
+                            step=1), 2),
+        ev(ExecutionStarted(execution_id="b", query_id="q0", task_id="t", group_size=2, sample_index=1, seed=2,
+                            step=1), 3),
+        ev(CallCompleted(execution_id="b", call_id="b-0", call_index=0, record=ref, prompt_tokens=5,
+                         new_prompt_tokens=5, completion_tokens=1, policy_version=0, cell_id="c1"), 4),
+        ev(KvMigrated(execution_id="b", from_cell="c1", to_cell="c0", method="kv", tokens=5, bytes=10,
+                      seconds=0.1), 6),
+        ev(ExecutionFinished(execution_id="a", elapsed_s=7, calls=2), 9),
+        ev(ExecutionFinished(execution_id="b", elapsed_s=7, calls=2), 10),
+        ev(RankStepped(step=1, generation=1, cell_id="c1", rank=0, world_size=1, micro_batches=1, tokens=9,
+                       seconds=2.0), 14),
+        ev(ExecutionScored(execution_id="a", query_id="q0", reward=1.0, tests_passed=1, tests_total=1), 15),
+        ev(StepCompleted(step=1, policy_version=1, world_size=1, seconds=2.0, metrics={}), 15.5),
+    ]
+    report = build_report("r", events)
+    assert report.first_dispatch_s == 0.0  # the first event
+    assert report.occupied == {"c0": [[1.0, 9.0]], "c1": [[2.0, 5.0]]}  # b moved to c0 at 5 s, both ended by 9
+    assert report.rank_busy == {"c1": [[11.0, 13.0]]}
+    assert report.staleness == {"mean": 1.0, "max": 1}
+    assert report.steps[0].completed_s == 14.5

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from services.harness import demos
 from services.harness.agent_core import SYSTEM_PROMPT, TOOL_SCHEMAS
-from services.harness.taskgen import write_task
+from services.harness.task_files import write_task
 from services.harness.tasks import load_task
 
 

@@ -37,8 +37,15 @@ def sim(
     ),
     drift_sweep: bool = typer.Option(False, help="also sweep the drift rate (0, 2, 5, 10 %/step; --steps a point)"),
     plots: bool = typer.Option(True, help="write the timeline (and sweep) images"),
+    from_run: str | None = typer.Option(
+        None, "--from-run", help="calibrate on this live run instead of a preset: fit the engine, cells, training and "
+        "workload from its events and predict each live mode's seconds on its workload"),
+    runs_dir: Path = typer.Option(Path("runs"), help="where --from-run's run folder (its config.yaml) is"),
 ) -> None:
     """Simulate the preset under each policy and print the headline numbers as JSON."""
+    if from_run is not None:
+        _from_run(from_run, runs_dir, out, steps)
+        return
     names = tuple(p.strip() for p in policies.split(",") if p.strip())
     overrides: dict[str, Any] = {"cells": cells, "batch_queries": batch_queries, "budget": budget,
                                  "drift_per_step": drift}
@@ -70,3 +77,30 @@ def sim(
         summary["drift"] = [{"drift_per_step": r["drift_per_step"], "elastic_vs_async": round(r["elastic_vs_async"], 3),
                              "elastic_vs_colocate": round(r["elastic_vs_colocate"], 3)} for r in rows]
     typer.echo(json.dumps(summary))
+
+
+def _from_run(run_id: str, runs_dir: Path, out: Path, steps: int | None) -> None:
+    """Fit a preset to the run's log and simulate every live mode on its workload (docs/simulator.md, "Calibration
+    against live runs")."""
+    import asyncio
+    from dataclasses import asdict
+
+    import yaml
+
+    from services.scheduler.sim.calibrate import CalibrationError, fit, load_run_events, simulate_modes
+
+    config_path = runs_dir / run_id / "config.yaml"
+    if not config_path.is_file():
+        raise typer.BadParameter(f"no {config_path}: --from-run takes a run of `gyre run` (see --runs-dir)")
+    config = yaml.safe_load(config_path.read_text())
+    try:
+        events = asyncio.run(load_run_events(run_id))
+        cal, trace = fit(run_id, events, group_size=config["scheduling"]["group_size"])
+    except CalibrationError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    predicted = simulate_modes(cal, trace, config, ("async", "colocate", "elastic", "reprefill"),
+                               steps=steps or config["scheduling"]["steps"])
+    result = {"calibrated_on": run_id, "fitted": asdict(cal), "sim_wall_s": predicted}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"calibrated_{run_id}.json").write_text(json.dumps(result, indent=2))
+    typer.echo(json.dumps(result))

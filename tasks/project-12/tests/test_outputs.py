@@ -1,0 +1,25 @@
+"""Tests for the generated task project-12; run by run-tests.sh after the agent stops."""
+
+from pathlib import Path
+
+APP = Path("/app")
+
+
+def test_m1():
+    path = APP / "src" / "m1.txt"
+    assert path.is_file() and path.read_text().strip() == 'green\ngyre\nhouse\nstone'
+
+
+def test_m2():
+    path = APP / "src" / "m2.txt"
+    assert path.is_file() and path.read_text().strip() == '3'
+
+
+def test_m3():
+    path = APP / "src" / "m3.txt"
+    assert path.is_file() and path.read_text().strip() == '2'
+
+
+def test_m4():
+    path = APP / "src" / "m4.txt"
+    assert path.is_file() and path.read_text().strip() == '3'

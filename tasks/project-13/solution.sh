@@ -1,0 +1,5 @@
+#!/bin/bash
+cd /app
+grep -c INFO specs/m1.txt > src/m1.txt
+tr a-z A-Z < specs/m2.txt > src/m2.txt
+LC_ALL=C sort specs/m3.txt > src/m3.txt

@@ -1,0 +1,20 @@
+"""Tests for the generated task project-13; run by run-tests.sh after the agent stops."""
+
+from pathlib import Path
+
+APP = Path("/app")
+
+
+def test_m1():
+    path = APP / "src" / "m1.txt"
+    assert path.is_file() and path.read_text().strip() == '4'
+
+
+def test_m2():
+    path = APP / "src" / "m2.txt"
+    assert path.is_file() and path.read_text().strip() == 'TREE FIRE HOUSE'
+
+
+def test_m3():
+    path = APP / "src" / "m3.txt"
+    assert path.is_file() and path.read_text().strip() == 'bird\nfire\ngreen\nocean\nwind'

@@ -1,0 +1,35 @@
+"""Tests for the generated task project-17; run by run-tests.sh after the agent stops."""
+
+from pathlib import Path
+
+APP = Path("/app")
+
+
+def test_m1():
+    path = APP / "src" / "m1.txt"
+    assert path.is_file() and path.read_text().strip() == 'WIND'
+
+
+def test_m2():
+    path = APP / "src" / "m2.txt"
+    assert path.is_file() and path.read_text().strip() == 'delta\necho\nocean\nzebra'
+
+
+def test_m3():
+    path = APP / "src" / "m3.txt"
+    assert path.is_file() and path.read_text().strip() == 'bird\ndelta\nfire\nmoon\ntree'
+
+
+def test_m4():
+    path = APP / "src" / "m4.txt"
+    assert path.is_file() and path.read_text().strip() == 'GREEN'
+
+
+def test_m5():
+    path = APP / "src" / "m5.txt"
+    assert path.is_file() and path.read_text().strip() == 'HOUSE'
+
+
+def test_m6():
+    path = APP / "src" / "m6.txt"
+    assert path.is_file() and path.read_text().strip() == 'fire\ngreen\nmoon\nwater'

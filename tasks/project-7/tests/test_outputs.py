@@ -1,0 +1,25 @@
+"""Tests for the generated task project-7; run by run-tests.sh after the agent stops."""
+
+from pathlib import Path
+
+APP = Path("/app")
+
+
+def test_m1():
+    path = APP / "src" / "m1.txt"
+    assert path.is_file() and path.read_text().strip() == 'alpha\nhouse\nocean\nzebra'
+
+
+def test_m2():
+    path = APP / "src" / "m2.txt"
+    assert path.is_file() and path.read_text().strip() == 'bird\ngreen\nocean\nzebra'
+
+
+def test_m3():
+    path = APP / "src" / "m3.txt"
+    assert path.is_file() and path.read_text().strip() == 'bird\ngyre\nwater\nwind\nzebra'
+
+
+def test_m4():
+    path = APP / "src" / "m4.txt"
+    assert path.is_file() and path.read_text().strip() == 'CLOUD'
