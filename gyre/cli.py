@@ -38,6 +38,7 @@ LAZY_GROUPS: dict[str, tuple[str, str, str]] = {
     "scheduler": ("services.scheduler.cli", "scheduler_app", "The live scheduler and cell agents."),
     "run": ("gyre.launcher", "run_app", "Run the whole RL loop: every service as a process, live view, report."),
     "compare": ("gyre.compare", "compare_app", "Run one workload under each scheduling mode; compare them."),
+    "eval": ("gyre.eval", "eval_app", "Score a policy on held-out tasks: pass@1 and mean score."),
     "dashboard": ("gyre.dashboard.cli", "dashboard", "A live web page of runs: curves, cells, executions, trees."),
     "deploy": ("gyre.deploy", "app", "A run whose processes an orchestrator starts: prepare, serve, report."),
 }

@@ -42,8 +42,14 @@ def compare(
     simulate: Annotated[bool, typer.Option(help="Calibrate the simulator on a run's events and predict each mode.")]
     = True,
     verify: Annotated[bool, typer.Option(help="Replay and verify each run's trees after it.")] = True,
+    rebuild: Annotated[str | None, typer.Option(
+        help="Run nothing: rebuild this comparison's report (runs/<compare id>/) from its runs' reports and logs.")]
+    = None,
 ) -> None:
     """Run the same workload under each mode, one after the other, and write the comparison report."""
+    if rebuild is not None:
+        _rebuild(rebuild, Path(load_config(config_file)[0].logging.runs_dir), simulate=simulate)
+        return
     names = [m.strip() for m in modes.split(",") if m.strip()]
     unknown = [m for m in names if m not in MODES]
     overrides = dict(parse_sets(sets or []))
@@ -92,7 +98,8 @@ def compare(
             summaries[mode]["replay_verified"] = _verify(run_id, out / f"{mode}-replay.log")
         console.print(f"  {summaries[mode]['wall_s']:.0f} s for {summaries[mode]['steps']} steps "
                       f"(run {time.monotonic() - t0:.0f} s in all)"
-                      + ("" if not verify else f"; replay {'verified' if summaries[mode]['replay_verified'] else 'DIVERGED'}"))
+                      + ("" if not verify else
+                         f"; replay {'verified' if summaries[mode]['replay_verified'] else 'DIVERGED'}"))
     workload = {"config": str(config_file), "overrides": overrides, "cells": s.cells, "steps": s.steps,
                 "queries_per_step": s.queries_per_step, "group_size": s.group_size,
                 "max_staleness": s.max_staleness, "pin_cells": s.pin_cells, "seed": config.seed,
@@ -107,10 +114,35 @@ def compare(
     console.print(f"report: {out / 'compare.json'}, " + ", ".join(str(p) for p in images))
 
 
+def _rebuild(compare_id: str, runs_dir: Path, *, simulate: bool) -> None:
+    out = runs_dir / compare_id
+    path = out / "compare.json"
+    if not path.is_file():
+        console.print(f"[red]error:[/] no {path}: --rebuild takes the id of a comparison that ran", markup=False)
+        raise typer.Exit(2)
+    old = json.loads(path.read_text())
+    summaries: dict[str, dict[str, Any]] = {}
+    run_ids: dict[str, str] = {}
+    for mode, m in old["modes"].items():
+        run_ids[mode] = m["run_id"]
+        report = json.loads((runs_dir / m["run_id"] / "report.json").read_text())
+        summaries[mode] = mode_summary(mode, m["run_id"], report)
+        if "replay_verified" in m:
+            summaries[mode]["replay_verified"] = m["replay_verified"]
+    result = comparison(summaries, workload=old["workload"])
+    if simulate:
+        result["simulator"] = predict_modes(result, runs_dir, run_ids)
+    path.write_text(json.dumps(result, indent=2))
+    images = write_images(result, out)
+    for line in summary_lines(result):
+        console.print(line, highlight=False)
+    console.print(f"report: {path}, " + ", ".join(str(p) for p in images))
+
+
 def predict_modes(result: dict[str, Any], runs_dir: Path, run_ids: dict[str, str],
                   calibrate_on: str | None = None) -> dict[str, Any]:
-    """Fit on one mode's run (the first run by default), predict every mode, and set `sim_wall_s` beside each
-    mode's `wall_s` in `result`; returns what was fitted and the errors."""
+    """Fit on one mode's run (elastic's by default, else the first), predict every mode, and set `sim_wall_s`
+    beside each mode's `wall_s` in `result`; returns what was fitted and the errors."""
     import asyncio
 
     import yaml
@@ -118,7 +150,8 @@ def predict_modes(result: dict[str, Any], runs_dir: Path, run_ids: dict[str, str
     from services.scheduler.sim.calibrate import fit, load_run_events, simulate_modes
 
     modes = list(result["modes"])
-    source = calibrate_on or modes[0]
+    # The elastic run moves cells and sessions: it measures switches and migrations, which async's does not.
+    source = calibrate_on or ("elastic" if "elastic" in modes else modes[0])
     run_id = run_ids[source]
     config = yaml.safe_load((runs_dir / run_id / "config.yaml").read_text())
     events = asyncio.run(load_run_events(run_id))

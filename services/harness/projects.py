@@ -2,7 +2,8 @@
 the task states and the generator draws from a heavy-tailed distribution (like agents' builds and test suites).
 
 An execution runs the build, hands each failing module to a sub-agent (`delegate`; the helper builds that module
-to see what it must hold, builds it, checks it, submits), checks the build again and submits: tens of model calls, minutes of environment time for the slow projects, and with a small context budget
+to see what it must hold, builds it, checks it, submits), checks the build again and submits: tens of model calls,
+minutes of environment time for the slow projects, and with a small context budget
 (`budgets.compact_at_tokens`) the main agent compacts on the way. Graded per module by the task's tests, so a
 partly fixed project earns partial credit. `demo_records` writes the warm start's demonstrations of it: the main
 agent's conversation (cut at its compactions, each ending in the summary the agent writes), and each helper's.
@@ -230,7 +231,8 @@ def _shell_result(output: str, code: int) -> str:
 
 
 def _call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
-    return {"role": "assistant", "content": "", "tool_calls": [template_tool_call(ToolCall(name=name, arguments=arguments))]}
+    call = template_tool_call(ToolCall(name=name, arguments=arguments))
+    return {"role": "assistant", "content": "", "tool_calls": [call]}
 
 
 def helper_task(module: dict[str, Any]) -> str:
@@ -268,7 +270,8 @@ def demo_records(params: dict[str, Any], rng: random.Random, *, main_system: str
             remaining = [m["name"] for m in modules if m["name"] not in fixed]
             summary = (f"I ran bash build.sh and handed failing modules to helpers. Fixed: "
                        f"{', '.join(sorted(fixed)) or 'none'}. Still to fix: {', '.join(remaining)}.")
-            records.append([*piece, {"role": "user", "content": SUMMARY_PROMPT}, {"role": "assistant", "content": summary}])
+            records.append([*piece, {"role": "user", "content": SUMMARY_PROMPT},
+                            {"role": "assistant", "content": summary}])
             piece = [{"role": "system", "content": main_system},
                      {"role": "user", "content": restart_messages(task, summary)[0]["content"]}]
             build()

@@ -438,7 +438,7 @@ class MoveOnce:
     def decide(self, snap: policies.Snapshot) -> list[policies.Action]:
         first, second = (c.cell_id for c in snap.cells)
         if snap.now_s == 0.0:
-            return [policies.AssignCell(first, policies.Role.ROLLOUT), policies.AssignCell(second, policies.Role.ROLLOUT)]
+            return [policies.AssignCell(cell, policies.Role.ROLLOUT) for cell in (first, second)]
         if snap.queued and all(c.state is policies.CellState.ACTIVE for c in snap.cells):
             q = snap.queued[0]
             return [policies.DispatchQuery(q.query_id, 0, (first,) * q.group_size)]

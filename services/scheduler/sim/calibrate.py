@@ -89,6 +89,7 @@ def fit(run_id: str, events: Sequence[Event], *, group_size: int) -> tuple[Calib
     cell_of: dict[str, str] = {}
     kv_caps: list[int] = []
     switch: dict[str, list[float]] = defaultdict(list)
+    started_cells: set[str] = set()
     moved_tokens = moved_s = 0.0
     trained = 0
     step_cell_s = 0.0
@@ -127,8 +128,11 @@ def fit(run_id: str, events: Sequence[Event], *, group_size: int) -> tuple[Calib
                 load_samples.append(len(live_on[d.cell_id]))
         elif isinstance(d, CellRegistered) and d.kv_capacity_tokens:
             kv_caps.append(d.kv_capacity_tokens)
-        elif isinstance(d, CellReady) and d.switch_seconds > 0:
-            switch[d.role].append(d.switch_seconds)
+        elif isinstance(d, CellReady):
+            # A cell's first ready is its engine's cold start (from idle), not a switch between roles.
+            if d.cell_id in started_cells and d.switch_seconds > 0:
+                switch[d.role].append(d.switch_seconds)
+            started_cells.add(d.cell_id)
         elif isinstance(d, KvMigrated) and d.seconds > 0:
             moved_tokens += d.tokens
             moved_s += d.seconds
