@@ -89,13 +89,15 @@ def score_model(model_dir: Path, *, label: str, config: RunConfig, task_ids: lis
     eval_run = f"{run_id}-eval-{label}"
     port, health = local.free_port(), local.free_port()
     secret = secrets.token_urlsafe(32)
+    # vLLM's IPC sockets go under TMPDIR, whose path must stay short (a socket path is at most 107 bytes).
+    scratch = tempfile.mkdtemp(prefix="gyre-eval-")
     logs = out / "logs" / label
     logs.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **environment(config, model_dir, task_ids), "GYRE_RUN_ID": eval_run,
            "GYRE_NATS_URL": endpoints.nats_url, "GYRE_DATABASE_URL": endpoints.database_url,
            "GYRE_STATE_DIR": str(out / "state" / label), "GYRE_ROLLOUT_PORT": str(port),
            "GYRE_ROLLOUT_TOKEN_SECRET": secret, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "TMPDIR": tempfile.mkdtemp(prefix="gyre-eval-"), "GYRE_MODEL_DIR": str(model_dir)}
+           "TMPDIR": scratch, "GYRE_MODEL_DIR": str(model_dir)}
     procs = [Proc("relay", [sys.executable, "-m", "shared.relay"]),
              Proc("gateway", [sys.executable, "-m", "services.rollout", "gateway"]),
              Proc("worker", [sys.executable, "-m", "services.rollout", "worker"],
@@ -127,6 +129,7 @@ def score_model(model_dir: Path, *, label: str, config: RunConfig, task_ids: lis
                 scores[task_id].append(score)
     finally:
         stop_all(procs, eval_run)
+        shutil.rmtree(scratch, ignore_errors=True)
     return {"model": str(model_dir), "run_id": eval_run, "samples": samples, "pass_at_1": pass_at_1(scores),
             "mean_score": mean_score(scores), "scores": scores}
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from services.scheduler.policies import SwitchCosts
 from shared.events import (
     BatchReady,
     CallCompleted,
@@ -84,7 +85,8 @@ def fit(run_id: str, events: Sequence[Event], *, group_size: int) -> tuple[Calib
     of_query: dict[str, dict[int, str]] = defaultdict(dict)
     elapsed: dict[str, float] = {}
     gen: dict[str, float] = defaultdict(float)
-    calls: list[tuple[float, float, str, int]] = []  # (t, seconds per token, cell, tokens)
+    per_token: list[float] = []  # each call's seconds per generated token
+    load_samples: list[int] = []  # … and the sessions its cell held then
     live_on: dict[str, set[str]] = defaultdict(set)
     cell_of: dict[str, str] = {}
     kv_caps: list[int] = []
@@ -98,7 +100,6 @@ def fit(run_id: str, events: Sequence[Event], *, group_size: int) -> tuple[Calib
     published: dict[int, float] = {}
     syncs: list[float] = []
     prompt_first: list[int] = []
-    load_samples: list[int] = []
 
     def seconds(e: Event) -> float:
         assert t0 is not None
@@ -124,7 +125,7 @@ def fit(run_id: str, events: Sequence[Event], *, group_size: int) -> tuple[Calib
             cell_of[d.execution_id] = d.cell_id
             live_on[d.cell_id].add(d.execution_id)
             if d.completion_tokens > 0 and d.latency_s > 0:
-                calls.append((seconds(event), d.latency_s / d.completion_tokens, d.cell_id, d.completion_tokens))
+                per_token.append(d.latency_s / d.completion_tokens)
                 load_samples.append(len(live_on[d.cell_id]))
         elif isinstance(d, CellRegistered) and d.kv_capacity_tokens:
             kv_caps.append(d.kv_capacity_tokens)
@@ -147,11 +148,11 @@ def fit(run_id: str, events: Sequence[Event], *, group_size: int) -> tuple[Calib
             published[d.version] = seconds(event) - (d.publish_s or 0.0)
         elif isinstance(d, WeightsLoaded) and d.version in published and d.version > 0:
             syncs.append(seconds(event) - published.pop(d.version))
-    done = [e for e in elapsed if e in gen or e in elapsed]
-    if not done or not order:
+    if not elapsed or not order:
         raise CalibrationError(f"run {run_id}: no finished execution in its log to fit a workload to")
     if step_cell_s <= 0 or trained <= 0:
         raise CalibrationError(f"run {run_id}: no trained step in its log to fit training to")
+    prior = SwitchCosts()  # the published switch times, where the run measured no switch
     per_exec_tokens = sum(batch_tokens.values()) / max(1, sum(batch_execs.values()))
     durations, contexts = [], []
     fallback = statistics.median(elapsed.values())
@@ -162,7 +163,7 @@ def fit(run_id: str, events: Sequence[Event], *, group_size: int) -> tuple[Calib
             durations.append(elapsed.get(eid, fallback) if eid else fallback)
             contexts.append(per_exec_tokens)
     gen_fraction = min(0.99, sum(gen[e] for e in elapsed) / max(1e-9, sum(elapsed.values())))
-    a, slope = _line(load_samples, [c[1] for c in calls])
+    a, slope = _line(load_samples, per_token)
     logs = [math.log(max(1e-3, x)) for x in elapsed.values()]
     cal = Calibration(
         run_id=run_id,
@@ -171,8 +172,8 @@ def fit(run_id: str, events: Sequence[Event], *, group_size: int) -> tuple[Calib
         per_token_s=a,
         per_token_slope_s=slope,
         kv_capacity_tokens=int(statistics.median(kv_caps)) if kv_caps else 1 << 20,
-        to_train_s=statistics.median(switch["train"]) if switch["train"] else 8.52,
-        to_rollout_s=statistics.median(switch["rollout"]) if switch["rollout"] else 3.46,
+        to_train_s=statistics.median(switch["train"]) if switch["train"] else prior.to_train_s,
+        to_rollout_s=statistics.median(switch["rollout"]) if switch["rollout"] else prior.to_rollout_s,
         migration_tokens_per_s=moved_tokens / moved_s if moved_s > 0 else None,
         train_tokens_per_cell_s=trained / step_cell_s,
         step_overhead_s=statistics.median(syncs) if syncs else 0.0,
