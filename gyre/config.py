@@ -36,6 +36,8 @@ class ModelSection(_Section):
     dtype: Dtype = "auto"  # served and published in: auto is the checkpoint's own
     max_model_len: int = Field(default=8192, ge=256)  # the context the workers and the gateway allow
     served_name: str = Field(default="gyre-tiny", min_length=1)  # the model name clients ask the gateway for
+    # How the model writes a tool call in its replies (shared/tool_formats.py): auto reads it off the chat template.
+    tool_call_format: Literal["auto", "hermes", "llama3_json", "mistral"] = "auto"
 
 
 class TasksSection(_Section):
@@ -187,6 +189,7 @@ VARIABLES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("GYRE_ROLLOUT_DTYPE", "GYRE_TRAINER_PUBLISH_DTYPE"),
     "model.max_model_len": ("GYRE_ROLLOUT_MAX_MODEL_LEN",),
     "model.served_name": ("GYRE_ROLLOUT_MODEL_NAME", "GYRE_HARNESS_MODEL_NAME"),
+    "model.tool_call_format": ("GYRE_ROLLOUT_TOOL_CALL_FORMAT",),
     "tasks.dir": ("GYRE_HARNESS_TASKS_DIR",),
     "tasks.train": ("GYRE_SCHEDULER_TASK_IDS",),
     "harness.kind": ("GYRE_HARNESS_HARNESS",),

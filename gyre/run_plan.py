@@ -157,10 +157,12 @@ def _chat_template(plan: RunPlan, model_dir: Path, instructions: list[str]) -> N
     from services.rollout.anthropic_api import parse_request
     from services.rollout.codec import TokenizerCodec
     from services.rollout.conversation import ChatMessage, Conversation
+    from shared.tool_formats import ToolFormatError
 
     name = plan.config.model.path
-    try:
-        codec = TokenizerCodec.from_model_dir(model_dir)
+    given = plan.config.model.tool_call_format
+    try:  # the tool-call format is read off the template below, after the template's other checks
+        codec = TokenizerCodec.from_model_dir(model_dir, tool_format="hermes" if given == "auto" else given)
     except Exception as exc:  # whatever transformers raises for a folder it cannot read
         plan.errors.append(f"model.path: {name}: its tokenizer does not load: {type(exc).__name__}: "
                            f"{str(exc).splitlines()[0] if str(exc) else ''}")
@@ -184,6 +186,14 @@ def _chat_template(plan: RunPlan, model_dir: Path, instructions: list[str]) -> N
         plan.errors.append(f"model.path: {name}: its chat template is not incremental (a longer conversation "
                            f"does not start with the shorter one's text), so token-in/token-out cannot extend "
                            f"prompts")
+    try:
+        fmt = codec.detect_tool_format() if given == "auto" else codec.tool_format
+        plan.model += f"; tool calls written as {fmt.name}"
+    except ToolFormatError as exc:
+        plan.errors.append(f"model.path: {name}: {exc}; set model.tool_call_format to the format its replies use")
+    except Exception as exc:  # a Jinja error on an assistant turn that calls a tool
+        plan.errors.append(f"model.path: {name}: its chat template cannot render a tool call: {type(exc).__name__}: "
+                           f"{str(exc).splitlines()[0] if str(exc) else ''}")
     plan.first_prompt_tokens = len(codec.encode(prompt))
     c = plan.config
     need = plan.first_prompt_tokens + c.budgets.reply_tokens

@@ -19,7 +19,8 @@ The format (shared/chat_template.jinja; the gateway renders with it and parses g
 A generation ends with `<|im_end|>` (the EOS). `<tool_call>`, `</tool_call>`, `<tool_response>`,
 `</tool_response>`, `<think>`, `</think>` are single non-special tokens, so they survive
 `skip_special_tokens=True` decoding; `parse_tool_calls` extracts the calls from decoded text (the format is
-Hermes/Qwen's, so vLLM's `hermes` tool parser reads it too).
+Hermes/Qwen's, so vLLM's `hermes` tool parser reads it too). Other families' ways of writing a call, and how a
+checkpoint's is detected from its template: shared/tool_formats.py.
 """
 
 from __future__ import annotations
@@ -134,11 +135,6 @@ def _parse_call_body(body: str) -> ToolCall | None:
     return ToolCall(name=obj["name"], arguments=arguments)
 
 
-def has_tool_call_marker(text: str) -> bool:
-    """Whether text holds either tool-call marker (a reply that tried to call a tool, well-formed or not)."""
-    return TOOL_CALL_OPEN in text or TOOL_CALL_CLOSE in text
-
-
 def format_tool_call(name: str, arguments: Mapping[str, Any], text: str = "") -> str:
     """The assistant text the template gives one tool call after `text` (the inverse of `parse_tool_calls`)."""
     block = f"{TOOL_CALL_OPEN}\n{json.dumps({'name': name, 'arguments': dict(arguments)})}\n{TOOL_CALL_CLOSE}"
@@ -148,9 +144,16 @@ def format_tool_call(name: str, arguments: Mapping[str, Any], text: str = "") ->
 def tool_call_regex(tools: Sequence[tuple[str, Mapping[str, Any]]], names: Sequence[str]) -> str:
     """A regex for one `<tool_call>` block calling one of `names` (guided decoding for tool_choice any/tool).
 
-    `tools` are (name, JSON schema of the arguments). Arguments cover the schema's required scalar properties
-    (all scalar ones when none are required), with short safe values; that is enough for a small model to
-    produce a well-formed call.
+    `tools` are (name, JSON schema of the arguments); the call inside is `object_pattern`'s."""
+    return TOOL_CALL_OPEN + "\n" + object_pattern(tools, names) + "\n" + TOOL_CALL_CLOSE
+
+
+def object_pattern(tools: Sequence[tuple[str, Mapping[str, Any]]], names: Sequence[str], *,
+                   arguments_key: str = "arguments") -> str:
+    """A regex for the JSON object of one call to one of `names`: `{"name": NAME, "<arguments_key>": {...}}`.
+
+    Arguments cover the schema's required scalar properties (all scalar ones when none are required), with short
+    safe values; that is enough for a small model to produce a well-formed call.
     """
     alternatives = []
     for name, parameters in tools:
@@ -171,10 +174,11 @@ def tool_call_regex(tools: Sequence[tuple[str, Mapping[str, Any]]], names: Seque
                     continue
             fields.append(re.escape(json.dumps(key)) + ": " + value)
         args = r"\{" + ", ".join(fields) + r"\}"
-        alternatives.append(r'\{"name": ' + re.escape(json.dumps(name)) + r', "arguments": ' + args + r"\}")
+        alternatives.append(r'\{"name": ' + re.escape(json.dumps(name)) + ", " + re.escape(json.dumps(arguments_key))
+                            + ": " + args + r"\}")
     if not alternatives:
         raise ValueError(f"no tool named any of {list(names)}")
-    return TOOL_CALL_OPEN + "\n(" + "|".join(alternatives) + ")\n" + TOOL_CALL_CLOSE
+    return "(" + "|".join(alternatives) + ")"
 
 
 _VALUE_PATTERNS = {
@@ -196,7 +200,7 @@ __all__ = [
     "ToolCall",
     "chat_template",
     "format_tool_call",
-    "has_tool_call_marker",
+    "object_pattern",
     "parse_tool_calls",
     "template_tool",
     "template_tool_call",

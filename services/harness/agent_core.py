@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from shared.chat import has_tool_call_marker
+from shared.tool_formats import has_tool_call_marker
 
 SHELL = "shell"
 DELEGATE = "delegate"

@@ -30,7 +30,6 @@ from services.rollout.protocol import SamplingSpec
 from services.rollout.recorder import CallRecorder, RecordingFailed
 from services.rollout.router import NoCapacity, Router, WorkerFailed
 from services.rollout.tito import PromptPlan
-from shared.chat import tool_call_regex
 from shared.events import ExecutionStarted
 from shared.logging import get_logger
 
@@ -176,7 +175,8 @@ class GatewayCore:
                 top_k=parsed.sampling.top_k,
                 seed=sampling_seed(state, parsed.sampling.seed),
                 stop=parsed.sampling.stop,
-                regex=(tool_call_regex([(t.name, t.parameters) for t in tools], parsed.sampling.forced_tools)
+                regex=(self.codec.tool_format.regex([(t.name, t.parameters) for t in tools],
+                                                       parsed.sampling.forced_tools)
                        if parsed.sampling.forced_tools else None),
             )
             call_id = self.call_ids()
@@ -193,7 +193,7 @@ class GatewayCore:
                 # The engine keeps the tokens up to the one holding the stop string (they are trained), but a
                 # reply's text ends before it, as both APIs define.
                 text = text[: text.index(reply.stop_sequence)]
-            message = reply_message(text)
+            message = reply_message(text, self.codec.tool_format)
             call = CompletedCall(
                 execution_id=execution_id,
                 call_id=call_id,
@@ -263,7 +263,7 @@ class GatewayCore:
         stop_sequence = min(found)[1] if found and past.finish_reason == "stop" else None
         if stop_sequence is not None:
             text = text[: text.index(stop_sequence)]
-        message = reply_message(text)
+        message = reply_message(text, self.codec.tool_format)
         state.tito.commit(plan, completion=past.completion, reply=message, codec=self.codec)
         self.log.info("call_replayed", execution_id=execution_id, call_index=call_index, call_id=past.call_id)
         return Completion(

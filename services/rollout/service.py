@@ -99,6 +99,8 @@ class RolloutSettings(BaseSettings):
     port: int = 8400
     uds: str | None = None  # also serve on this Unix socket (sandboxes reach the gateway through it)
     model_name: str = "gyre-tiny"
+    # How the model writes tool calls (shared/tool_formats.py); auto: read off its chat template at start.
+    tool_call_format: Literal["auto", "hermes", "llama3_json", "mistral"] = "auto"
     # At most this many tokens per reply whatever a request asks (Claude Code asks for 32,000): the run's budget
     # of tokens per reply, for every harness. Unset: what the context leaves.
     max_reply_tokens: int | None = Field(default=None, ge=1)
@@ -383,7 +385,7 @@ class RolloutGatewayService(Service):
         directory = WorkerDirectory()
         self._watch = await watch_statuses(self.bus, directory)
         self.core = GatewayCore(
-            codec=TokenizerCodec.from_model_dir(self.settings.model_dir),
+            codec=TokenizerCodec.from_model_dir(self.settings.model_dir, tool_format=r.tool_call_format),
             router=Router(directory, NatsWorkerClient(self.bus)),
             recorder=PostgresCallRecorder(self.store, run_id=self.settings.run_id),
             tokens=TokenVerifier(r.token_secret.encode()),

@@ -41,6 +41,7 @@ from shared.chat import chat_template
 from shared.events import Event, ExecutionStarted, new_event, stream_id_for
 from shared.execution_tokens import derive_execution_token
 from shared.tokens import digest_of
+from shared.tool_formats import FORMATS
 from shared.worker_status import WorkerStatus
 
 TOKEN_SECRET = b"test-secret"  # the run's execution-token secret in every stack
@@ -53,6 +54,7 @@ class CharCodec:
 
     end_of_turn = "<|im_end|>"
     end_of_turn_id = 2
+    tool_format = FORMATS["hermes"]  # what Gyre's template writes (TokenizerCodec reads it off the template)
 
     def __init__(self) -> None:
         env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)

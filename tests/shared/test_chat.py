@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gyre.tinymodel import create_tiny_model
-from shared.chat import ToolCall, format_tool_call, has_tool_call_marker, parse_tool_calls, tool_call_regex
+from shared.chat import ToolCall, format_tool_call, parse_tool_calls, tool_call_regex
+from shared.tool_formats import has_tool_call_marker
 
 
 @pytest.fixture(scope="module")
