@@ -119,20 +119,23 @@ def parse_tool_calls(text: str) -> ParsedReply:
 
 def _parse_call_body(body: str) -> ToolCall | None:
     try:
-        obj = json.loads(body)
+        return call_from_object(json.loads(body))
     except json.JSONDecodeError:
         return None
+
+
+def call_from_object(obj: Any, keys: tuple[str, ...] = ("arguments",)) -> ToolCall | None:
+    """The call a decoded JSON value stands for: an object with a string "name" and, under the first of `keys` it
+    has, an arguments object (or a string holding one); None for anything else."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    arguments = obj.get("arguments", {})
+    arguments: Any = next((obj[k] for k in keys if k in obj), {})
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
         except json.JSONDecodeError:
             return None
-    if not isinstance(arguments, dict):
-        return None
-    return ToolCall(name=obj["name"], arguments=arguments)
+    return ToolCall(name=obj["name"], arguments=arguments) if isinstance(arguments, dict) else None
 
 
 def format_tool_call(name: str, arguments: Mapping[str, Any], text: str = "") -> str:
@@ -198,6 +201,7 @@ __all__ = [
     "TOOL_CALL_CLOSE",
     "TOOL_CALL_OPEN",
     "ToolCall",
+    "call_from_object",
     "chat_template",
     "format_tool_call",
     "object_pattern",

@@ -30,6 +30,7 @@ from shared.chat import (
     TOOL_CALL_OPEN,
     ParsedReply,
     ToolCall,
+    call_from_object,
     format_tool_call,
     object_pattern,
     parse_tool_calls,
@@ -64,9 +65,9 @@ class ToolCallFormat:
 
     def format(self, name: str, arguments: Mapping[str, Any], text: str = "") -> str:
         """The text a model of this family generates for one call after `text` (the inverse of `parse`)."""
-        body = json.dumps({"name": name, self.arguments_key: dict(arguments)})
         if self.name == "hermes":
             return format_tool_call(name, arguments, text)
+        body = json.dumps({"name": name, self.arguments_key: dict(arguments)})
         if self.name == "llama3_json":
             return self.prefix + body  # the whole reply: a call carries no text beside it
         return f"{text}{MISTRAL_TAG}[{body}]"
@@ -102,16 +103,8 @@ def has_tool_call_marker(text: str) -> bool:
             or stripped.startswith('{"name"'))
 
 
-def _call(obj: Any, keys: tuple[str, ...] = ("arguments", "parameters")) -> ToolCall | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    arguments: Any = next((obj[k] for k in keys if k in obj), {})
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return None
-    return ToolCall(name=obj["name"], arguments=arguments) if isinstance(arguments, dict) else None
+def _call(obj: Any) -> ToolCall | None:
+    return call_from_object(obj, ("arguments", "parameters"))
 
 
 def _parse_llama(text: str) -> ParsedReply:
