@@ -252,7 +252,7 @@ class AgentLoop:
                         and time.monotonic() - first_failure >= self.config.api_outage_s):
                     raise
                 attempt += 1
-                delay = min(8.0, 0.5 * 2**attempt)
+                delay = min(8.0, 0.5 * 2 ** min(attempt, 4))  # capped before 2**attempt outgrows a float
                 response = getattr(exc, "response", None)
                 retry_after = response.headers.get("retry-after") if response is not None else None
                 if retry_after is not None:
