@@ -37,12 +37,16 @@ check: setup
 	$(BIN)/lint-imports
 	$(BIN)/mypy
 
-# The whole suite, slow end-to-end tests included.
+# The whole suite, slow end-to-end tests included, on TEST_WORKERS processes (tests/conftest.py groups them: the
+# end-to-end runs one after the other on one worker, each other test module whole on a worker; see docs/testing.md).
+TEST_WORKERS ?= 2
+PARALLEL := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+
 test: check $(CLAUDE_STAMP) docker browser
-	$(BIN)/pytest -q -ra --durations=30
+	$(BIN)/pytest -q -ra --durations=30 $(PARALLEL)
 
 test-fast: check docker browser
-	$(BIN)/pytest -q -ra -m "not slow"
+	$(BIN)/pytest -q -ra -m "not slow" $(PARALLEL)
 
 test-slow: setup docker
 	$(BIN)/pytest -q -ra -m slow

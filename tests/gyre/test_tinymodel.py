@@ -8,8 +8,10 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -304,19 +306,24 @@ def test_vllm_engine_loads_the_model_and_its_logprobs_match_transformers(
     )["input_ids"]
     (tmp_path / "prompt.json").write_text(json.dumps(list(prompt_ids)))
     (tmp_path / "engine.py").write_text(_VLLM_SCRIPT)
-    (tmp_path / "cache").mkdir()
+    # A short folder: the engine's IPC sockets live under TMPDIR, and a socket's path has at most 107 characters
+    # (pytest's tmp_path under a pytest-xdist worker is already about 90).
+    cache = Path(tempfile.mkdtemp(prefix="gyre-v-"))
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
         "VLLM_CPU_KVCACHE_SPACE": "1",
-        "TMPDIR": str(tmp_path / "cache"),
-        "VLLM_CACHE_ROOT": str(tmp_path / "cache"),
+        "TMPDIR": str(cache),
+        "VLLM_CACHE_ROOT": str(cache),
     }
-    result = subprocess.run(
-        [sys.executable, str(tmp_path / "engine.py"), str(tiny_dir), str(tmp_path / "prompt.json"),
-         str(tmp_path / "out.json")],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=500,
-    )
+    try:
+        result = subprocess.run(
+            [sys.executable, str(tmp_path / "engine.py"), str(tiny_dir), str(tmp_path / "prompt.json"),
+             str(tmp_path / "out.json")],
+            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=500,
+        )
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
     assert result.returncode == 0, result.stderr[-4000:]
     out = json.loads((tmp_path / "out.json").read_text())
     assert len(out["token_ids"]) == 16
