@@ -105,9 +105,10 @@ def compare(
                 "max_staleness": s.max_staleness, "pin_cells": s.pin_cells, "seed": config.seed,
                 "warm_start_model": str(warm) if warm else None, "compare_s": round(time.monotonic() - started, 1)}
     result = comparison(summaries, workload=workload)
+    (out / "compare.json").write_text(json.dumps(result, indent=2))  # `--rebuild` works even if the fit fails
     if simulate:
         result["simulator"] = predict_modes(result, runs_dir, run_ids)
-    (out / "compare.json").write_text(json.dumps(result, indent=2))
+        (out / "compare.json").write_text(json.dumps(result, indent=2))
     images = write_images(result, out)
     for line in summary_lines(result):
         console.print(line, highlight=False)
@@ -147,14 +148,21 @@ def predict_modes(result: dict[str, Any], runs_dir: Path, run_ids: dict[str, str
 
     import yaml
 
+    from gyre import local
     from services.scheduler.sim.calibrate import fit, load_run_events, simulate_modes
+    from shared.settings import load_settings
 
     modes = list(result["modes"])
     # The elastic run moves cells and sessions: it measures switches and migrations, which async's does not.
     source = calibrate_on or ("elastic" if "elastic" in modes else modes[0])
     run_id = run_ids[source]
     config = yaml.safe_load((runs_dir / run_id / "config.yaml").read_text())
-    events = asyncio.run(load_run_events(run_id))
+    # The runs' log: on the configured servers, or on the embedded ones each `gyre run` brought up (and stopped)
+    # from the state folder, brought up again here.
+    settings = load_settings()
+    servers = local.up(settings.state_dir, nats_url=settings.nats_url, database_url=settings.database_url,
+                       schema=settings.db_schema)
+    events = asyncio.run(load_run_events(run_id, servers.database_url))
     steps = max(m["steps"] for m in result["modes"].values())
     cal, trace = fit(run_id, events, group_size=config["scheduling"]["group_size"])
     predicted = simulate_modes(cal, trace, config, modes, steps=steps)

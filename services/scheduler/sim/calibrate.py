@@ -269,15 +269,16 @@ def simulate_modes(cal: Calibration, trace: Trace, config: dict[str, Any], modes
     return out
 
 
-async def load_run_events(run_id: str) -> list[Event]:
-    """Every event of the run, in log order, from the configured PostgreSQL."""
+async def load_run_events(run_id: str, database_url: str = "") -> list[Event]:
+    """Every event of the run, in log order, from `database_url` or else the configured PostgreSQL."""
     from shared.settings import load_settings
     from shared.store import EventStore
 
     settings = load_settings()
-    if not settings.database_url:
+    database_url = database_url or settings.database_url
+    if not database_url:
         raise CalibrationError("no database configured (GYRE_DATABASE_URL) and none running: run `gyre up` first")
-    store = await EventStore.connect(settings.database_url, schema=settings.db_schema)
+    store = await EventStore.connect(database_url, schema=settings.db_schema)
     try:
         return [s.event for s in await store.read_all(run_id=run_id)]
     finally:
