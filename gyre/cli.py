@@ -49,14 +49,10 @@ StateDir = Annotated[Optional[Path], typer.Option("--state-dir", help="Where emb
 def endpoints(settings: Settings | None = None) -> tuple[str, str]:
     """(nats_url, database_url): from settings when configured, else from a running `gyre up`."""
     settings = settings or load_settings()
-    if settings.nats_url and settings.database_url:
-        return settings.nats_url, settings.database_url
-    found = local.read_endpoints(settings.state_dir)
-    if found is None or not local.is_running(settings.state_dir):
-        raise typer.BadParameter(
-            "no servers configured (GYRE_NATS_URL / GYRE_DATABASE_URL) and none running: run `gyre up` first"
-        )
-    return settings.nats_url or found.nats_url, settings.database_url or found.database_url
+    try:
+        return local.configured_or_running(settings.nats_url, settings.database_url, settings.state_dir)
+    except local.LocalInfraError as exc:
+        raise typer.BadParameter(str(exc)) from exc
 
 
 @app.command()
@@ -255,13 +251,13 @@ def _export_endpoints() -> None:
     """Hand the services' own commands the servers of a running `gyre up` when no URLs are configured: they
     read settings only and know nothing of the local launcher."""
     settings = load_settings()
-    if settings.nats_url and settings.database_url:
-        return
-    found = local.read_endpoints(settings.state_dir)
-    if found is None or not local.is_running(settings.state_dir):
-        return
-    os.environ.setdefault("GYRE_NATS_URL", settings.nats_url or found.nats_url)
-    os.environ.setdefault("GYRE_DATABASE_URL", settings.database_url or found.database_url)
+    try:
+        nats_url, database_url = local.configured_or_running(settings.nats_url, settings.database_url,
+                                                             settings.state_dir)
+    except local.LocalInfraError:
+        return  # the command says so itself if it needs them
+    os.environ.setdefault("GYRE_NATS_URL", nats_url)
+    os.environ.setdefault("GYRE_DATABASE_URL", database_url)
 
 
 def main() -> None:

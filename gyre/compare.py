@@ -157,12 +157,11 @@ def predict_modes(result: dict[str, Any], runs_dir: Path, run_ids: dict[str, str
     source = calibrate_on or ("elastic" if "elastic" in modes else modes[0])
     run_id = run_ids[source]
     config = yaml.safe_load((runs_dir / run_id / "config.yaml").read_text())
-    # The runs' log: on the configured servers, or on the embedded ones each `gyre run` brought up (and stopped)
-    # from the state folder, brought up again here.
+    # The runs' log: on the configured servers, or on the embedded ones the first `gyre run` brought up (after
+    # this command started, so not in its settings).
     settings = load_settings()
-    servers = local.up(settings.state_dir, nats_url=settings.nats_url, database_url=settings.database_url,
-                       schema=settings.db_schema)
-    events = asyncio.run(load_run_events(run_id, servers.database_url))
+    _, database_url = local.configured_or_running(settings.nats_url, settings.database_url, settings.state_dir)
+    events = asyncio.run(load_run_events(run_id, database_url))
     steps = max(m["steps"] for m in result["modes"].values())
     cal, trace = fit(run_id, events, group_size=config["scheduling"]["group_size"])
     predicted = simulate_modes(cal, trace, config, modes, steps=steps)

@@ -259,6 +259,19 @@ def is_running(state_dir: Path) -> bool:
     return all(_reachable(url) for url in (endpoints.nats_url, endpoints.database_url))
 
 
+def configured_or_running(nats_url: str, database_url: str, state_dir: Path) -> tuple[str, str]:
+    """(nats_url, database_url): the configured URLs, else the servers this state folder runs (a `gyre up`, or
+    the ones a `gyre run` brought up and left running); LocalInfraError when neither."""
+    if nats_url and database_url:
+        return nats_url, database_url
+    found = read_endpoints(state_dir)
+    if found is None or not is_running(state_dir):
+        raise LocalInfraError(
+            "no servers configured (GYRE_NATS_URL / GYRE_DATABASE_URL) and none running: run `gyre up` first"
+        )
+    return nats_url or found.nats_url, database_url or found.database_url
+
+
 def _reachable(url: str) -> bool:
     hostport = url.split("@")[-1].split("//")[-1].split("/")[0]
     host, _, port = hostport.rpartition(":")
