@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -83,15 +84,26 @@ def _on_cpu() -> bool:
     return bool(current_platform.is_cpu())
 
 
+IPC_FOLDER_MAX_CHARS = 60  # a socket path is at most 107 bytes, and vLLM adds a 36-character name and a scheme
+
+
+def ipc_folder(preferred: Path) -> Path:
+    """The folder for the engine's IPC sockets: `preferred` when its path leaves room for a socket's name, else a
+    new short folder under the system's temporary folder (a deep work folder, as a test worker's, would not)."""
+    if len(str(preferred.absolute())) <= IPC_FOLDER_MAX_CHARS:
+        preferred.mkdir(parents=True, exist_ok=True)
+        return preferred
+    return Path(tempfile.mkdtemp(prefix="gyre-ipc-", dir="/tmp"))
+
+
 def prepare_cpu_environment(work_dir: Path) -> None:
     """vLLM on CPU must not write to ~/.cache or leave IPC sockets in /tmp (ENVIRONMENT.md)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    tmp = work_dir / "tmp"
     cache = work_dir / "cache"
-    tmp.mkdir(parents=True, exist_ok=True)
     cache.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("TMPDIR", str(tmp))
+    if "TMPDIR" not in os.environ:
+        os.environ["TMPDIR"] = str(ipc_folder(work_dir / "tmp"))
     os.environ.setdefault("VLLM_CACHE_ROOT", str(cache))
     # Weight reload sends a closure to the engine process; V1 needs pickle for that.
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")

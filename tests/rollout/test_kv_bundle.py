@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -61,3 +63,17 @@ def test_kv_in_transit_goes_to_shared_memory_when_the_node_has_room_else_to_the_
     assert default_kv_storage(state, "run-1", "vm-cell0", shm=tmp_path / "none") == state / "kv" / "vm-cell0"
     (tmp_path / "file").write_text("not a folder")
     assert default_kv_storage(state, "run-1", "vm-cell0", shm=tmp_path / "file") == state / "kv" / "vm-cell0"
+
+
+def test_the_engines_ipc_folder_is_short_enough_for_a_socket_path_wherever_the_work_folder_is(tmp_path) -> None:
+    from services.rollout.engine import IPC_FOLDER_MAX_CHARS, ipc_folder
+
+    short = Path("/tmp") / f"g-{tmp_path.name[:8]}"
+    assert ipc_folder(short) == short and short.is_dir()
+    short.rmdir()
+    deep = tmp_path / ("x" * 80) / "tmp"
+    chosen = ipc_folder(deep)
+    # A worker's deep folder would leave no room under the 107-byte limit once vLLM names a socket in it.
+    assert chosen != deep and chosen.is_dir() and len(str(chosen)) <= IPC_FOLDER_MAX_CHARS
+    assert len(f"ipc://{chosen}/{'0' * 36}") <= 107
+    chosen.rmdir()

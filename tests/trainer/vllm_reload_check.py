@@ -11,16 +11,13 @@ import os
 import sys
 from pathlib import Path
 
+from services.rollout.engine import prepare_cpu_environment
+
 
 def main() -> None:
     model_dir, weights_file, tokens_json, out_json, work = sys.argv[1:6]
-    work_dir = Path(work)
-    (work_dir / "tmp").mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("TMPDIR", str(work_dir / "tmp"))
-    os.environ.setdefault("VLLM_CACHE_ROOT", str(work_dir / "cache"))
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    # The engine's own preparation: its IPC sockets in a folder short enough for a socket's path.
+    prepare_cpu_environment(Path(work))
     from safetensors.torch import load
     from vllm import LLM, SamplingParams
 
