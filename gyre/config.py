@@ -81,6 +81,9 @@ class SchedulingSection(_Section):
     device: str = "cpu"  # cpu, or cuda: cell i gets accelerators [i*k, (i+1)*k)
     accelerators_per_cell: int = Field(default=1, ge=1)  # on cpu, with pin_cells: the cores each cell gets
     pin_cells: bool = False  # on cpu: each cell's processes on cores of their own, where the machine has enough
+    # The KV each cell's engine allocates, in tokens, as an accelerator's memory would bound it (the scheduler
+    # admits sessions against it); unset: what the memory given to the KV cache holds.
+    kv_tokens_per_cell: int | None = Field(default=None, ge=1)
     warm: bool = True  # a switch wakes the cell's standing-by process instead of restarting it
     steps: int = Field(default=30, ge=1)
     group_size: int = Field(default=8, ge=1)  # executions per query (G)
@@ -171,6 +174,10 @@ class RunConfig(_Section):
         if self.budgets.reply_tokens >= self.model.max_model_len:
             raise ValueError(f"budgets.reply_tokens: {self.budgets.reply_tokens} leaves no room for a prompt in "
                              f"model.max_model_len {self.model.max_model_len}")
+        kv = self.scheduling.kv_tokens_per_cell
+        if kv is not None and kv < self.model.max_model_len:
+            raise ValueError(f"scheduling.kv_tokens_per_cell: {kv} cannot hold one sequence of model.max_model_len "
+                             f"{self.model.max_model_len}")
         return self
 
     def is_tiny(self) -> bool:
@@ -206,6 +213,7 @@ VARIABLES: dict[str, tuple[str, ...]] = {
     "scheduling.device": ("GYRE_CELL_DEVICE",),
     "scheduling.accelerators_per_cell": ("GYRE_CELL_ACCELERATORS",),
     "scheduling.pin_cells": ("GYRE_CELL_PIN_CORES",),
+    "scheduling.kv_tokens_per_cell": ("GYRE_ROLLOUT_KV_CAPACITY_TOKENS",),
     "scheduling.warm": ("GYRE_CELL_WARM",),
     "scheduling.steps": ("GYRE_SCHEDULER_TOTAL_STEPS",),
     "scheduling.group_size": ("GYRE_GROUP_SIZE",),

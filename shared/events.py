@@ -456,14 +456,17 @@ class WeightsLoaded(_Extended):
     a `weights.published`. The scheduler counts the staleness bound from the oldest version the rollout cells
     serve (docs/operating.md); the cell agent takes a worker's first one after a start or a wake as its
     readiness. `phases` times a start or a wake (e.g. `wake_s`, `load_s`) or a publication's load (`fetch_s`
-    while serving, then `pause_s` with new calls held, `swap_s` of it in the engine)."""
+    while serving, then `pause_s` with new calls held, `swap_s` of it in the engine). `kv_capacity_tokens`: the
+    tokens of KV the worker's engine holds (its blocks × block size, as the engine allocated them; 0: not
+    reported): the scheduler admits sessions to the cell against the smaller of this and what the cell registered."""
 
     TYPE: ClassVar[str] = "weights.loaded"
-    WRITTEN_WHEN_SET: ClassVar[tuple[str, ...]] = ("phases",)
+    WRITTEN_WHEN_SET: ClassVar[tuple[str, ...]] = ("phases", "kv_capacity_tokens")
     cell_id: str
     worker_id: str
     version: int = Field(ge=0)
     phases: dict[str, float] = Field(default_factory=dict)
+    kv_capacity_tokens: int = Field(default=0, ge=0)
 
 
 @register

@@ -66,6 +66,9 @@ class VllmConfig:
     kv_connector: Literal["gyre", "nixl"] = "gyre"
     gpu_memory_utilization: float = 0.5
     max_num_seqs: int = 64
+    # The tokens of KV the engine allocates (rounded up to whole blocks), as an accelerator cell's memory would
+    # bound them; beyond it vLLM preempts. None: what the memory given to the KV cache holds.
+    kv_capacity_tokens: int | None = None
     # vLLM's sleep mode (level 1: weights to host memory, KV cache freed). None: where the platform has it (CUDA,
     # ROCm, XPU); on CPU vLLM refuses it and `sleep` pauses generation instead.
     sleep_mode: bool | None = None
@@ -135,6 +138,9 @@ class VllmEngine:
         vcfg = llm.vllm_config
         self.max_model_len: int = int(vcfg.model_config.max_model_len)
         self.block_size: int = int(vcfg.cache_config.block_size)
+        # The engine core reports the blocks it allocated; its pool holds one back (the null block).
+        blocks = int(vcfg.cache_config.num_gpu_blocks or 0)
+        self.kv_capacity_tokens: int = max(blocks - 1, 0) * self.block_size
         self.kv_transfer = config.kv_storage is not None or config.kv_connector == "nixl"
         self.kv_fingerprint = kv_fingerprint(vcfg, self.block_size)
         # NIXL: descriptors of blocks a save request left for a peer to pull, and those a peer sent for a load.
@@ -181,7 +187,11 @@ class VllmEngine:
             max_num_batched_tokens=max(config.max_model_len, 2048) if cpu else None,
             kv_transfer_config=kv_transfer,  # type: ignore[arg-type]  # vLLM parses the dict form
         )
-        return cls(AsyncLLM.from_engine_args(args), config)
+        vllm_config = args.create_engine_config()
+        if config.kv_capacity_tokens is not None:
+            cache = vllm_config.cache_config  # its block size is the platform's, known once the config is made
+            cache.num_gpu_blocks_override = -(-config.kv_capacity_tokens // cache.block_size) + 1  # + the null block
+        return cls(AsyncLLM.from_vllm_config(vllm_config, disable_log_stats=True), config)
 
     async def generate(self, prompt: list[int], sampling: SamplingSpec, request_id: str) -> EngineOutput:
         from vllm import SamplingParams

@@ -31,6 +31,7 @@ class Engine(Protocol):
     block_size: int
     kv_transfer: bool  # whether a KV connector is configured (migration by KV is possible)
     kv_fingerprint: str  # the model identity saved KV must share to be loaded here
+    kv_capacity_tokens: int  # the tokens of KV the engine holds (0: unknown)
 
     async def generate(self, prompt: list[int], sampling: SamplingSpec, request_id: str) -> EngineOutput: ...
 

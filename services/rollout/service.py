@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import shutil
 import sys
@@ -19,10 +18,7 @@ import time
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
-
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from typing import Any
 
 from services.rollout.lifecycle import (
     drains_me,
@@ -34,7 +30,7 @@ from services.rollout.lifecycle import (
 )
 from services.rollout.protocol import DrainRequest
 from services.rollout.router import Router, WorkerDirectory
-from services.rollout.worker import KV_STAGING_BYTES
+from services.rollout.settings import RolloutSettings, served_dtype
 from shared.cells import Role
 from shared.effects import Effects
 from shared.events import (
@@ -55,77 +51,12 @@ from shared.events import (
 from shared.logging import configure_logging
 from shared.runtime import Service
 from shared.settings import Settings, load_settings
-from shared.weights import resolve_dtype
 
 DRAIN_DETAIL_CHARS = 2000  # a drain's detail as `cell.drained` keeps it (one line per session left behind)
 
 
 class TokenSecretMissing(RuntimeError):
     """The gateway was started without the run's execution-token secret."""
-
-
-class RolloutSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="GYRE_ROLLOUT_", extra="ignore", frozen=True)
-
-    # worker
-    worker_id: str = ""  # default: the cell id
-    cell_id: str = "cell-0"
-    capacity: int = 64  # live sessions this worker accepts
-    max_model_len: int = 8192
-    # The dtype the engine serves: auto is the model's own (its config's), the dtype the trainer publishes in
-    # by default (GYRE_TRAINER_PUBLISH_DTYPE=auto), so weights load without a cast; fp32 for the tiny models.
-    dtype: str = "auto"
-    # How a moved session's KV travels between workers: "nats" (the bus's Object Store: any node, nothing shared
-    # but NATS) or "none" (sessions move by recompute).
-    kv_transport: Literal["nats", "none"] = "nats"
-    # This worker's own folder for KV in transit (its engine's connector writes and reads it; no other worker
-    # does). Unset: in memory where the node has it (`default_kv_storage`), else `<state_dir>/kv/<worker_id>`.
-    kv_storage: Path | None = None
-    kv_staging_bytes: int = Field(default=KV_STAGING_BYTES, ge=0)  # KV received and not yet loaded, at most
-    # Which connector saves and loads the KV: "gyre" (files, carried whole by the transport) or "nixl" (GPU nodes:
-    # the blocks go device to device, the transport carries their descriptor).
-    kv_connector: Literal["gyre", "nixl"] = "gyre"
-    # This worker's folder for a publication's shards between their download and the swap (its engine reads
-    # them from there). Unset: `<state_dir>/weights/<worker_id>`.
-    weights_staging: Path | None = None
-    heartbeat_s: float = 1.0
-    # Start in standby (engine loaded, warmed up and asleep; no `weights.loaded`) until the cell is released to
-    # rollout: the cell agent's second, warm process on a cell that starts in another role.
-    standby: bool = False
-    # vLLM's sleep mode (GPU: weights offloaded, KV freed while standing by). Unset: where the platform has it.
-    sleep_mode: bool | None = None
-    # gateway
-    host: str = "127.0.0.1"
-    port: int = 8400
-    uds: str | None = None  # also serve on this Unix socket (sandboxes reach the gateway through it)
-    model_name: str = "gyre-tiny"
-    # How the model writes tool calls (shared/tool_formats.py); auto: read off its chat template at start.
-    tool_call_format: Literal["auto", "hermes", "llama3_json", "mistral"] = "auto"
-    # At most this many tokens per reply whatever a request asks (Claude Code asks for 32,000): the run's budget
-    # of tokens per reply, for every harness. Unset: what the context leaves.
-    max_reply_tokens: int | None = Field(default=None, ge=1)
-    # The run's execution-token secret (shared.execution_tokens), shared with the harness: required by the gateway.
-    token_secret: str = ""
-    max_body_bytes: int = 32 * 1024 * 1024
-    body_timeout_s: float = Field(default=60.0, gt=0)  # a request body that has not arrived by then: 408
-    # This gateway's name among the run's gateways (a run may have several; the harness sticks each execution to
-    # one): each reads executions' starts and ends on a durable consumer of its own, so every gateway sees every
-    # end. Unset: the run's only gateway.
-    gateway_id: str = ""
-
-
-def served_dtype(requested: str, model_dir: Path) -> str:
-    """`requested`, or for `auto` the model's own dtype from its config.json (`dtype`, or the older
-    `torch_dtype`), as the trainer resolves its publish dtype (shared/weights.py); float32 when the config names
-    none. Resolved here rather than by vLLM, whose `auto` serves an fp32 checkpoint in half precision on some
-    platforms."""
-    if requested != "auto":
-        return requested
-    try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        config = {}
-    return str(resolve_dtype("auto", config.get("dtype") or config.get("torch_dtype"))).removeprefix("torch.")
 
 
 class RolloutWorkerService(Service):
@@ -173,7 +104,7 @@ class RolloutWorkerService(Service):
         self.engine = VllmEngine.start(
             VllmConfig(model=self.settings.model_dir, max_model_len=r.max_model_len,
                        dtype=served_dtype(r.dtype, self.settings.model_dir),
-                       kv_storage=kv_storage, sleep_mode=r.sleep_mode,
+                       kv_storage=kv_storage, sleep_mode=r.sleep_mode, kv_capacity_tokens=r.kv_capacity_tokens,
                        kv_connector=r.kv_connector if carries_kv else "gyre")
         )
         directory = WorkerDirectory()
@@ -218,7 +149,7 @@ class RolloutWorkerService(Service):
     def _weights_loaded(self, cause: Event | None = None, phases: dict[str, float] | None = None) -> Effects:
         w = self.worker
         loaded = WeightsLoaded(cell_id=w.cell_id, worker_id=w.worker_id, version=w.policy_version,
-                               phases=dict(phases or {}))
+                               phases=dict(phases or {}), kv_capacity_tokens=w.engine.kv_capacity_tokens)
         effects = Effects()
         effects.append([self.event(loaded, stream_id=stream_id_for("cell", w.cell_id), cause=cause)],
                        expected_version="any")

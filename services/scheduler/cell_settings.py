@@ -42,7 +42,9 @@ class CellSettings(BaseSettings):
     # them). Where the node has too few cores for every cell, nothing is pinned.
     pin_cores: bool = False
     memory_bytes: int = Field(default=0, ge=0)
-    kv_capacity_tokens: int = Field(default=1 << 20, ge=0)
+    # The KV a cell holds, in tokens, as `cell.registered` states it; 0: what its rollout engine reports (the
+    # scheduler admits against the smaller of the two where both are known).
+    kv_capacity_tokens: int = Field(default=0, ge=0)
     warm: bool = True
     standby_from_start: bool = True
     rollout_command: str = "{python} -m services.rollout worker"

@@ -71,7 +71,9 @@ FOLDED_TYPES: tuple[str, ...] = (
 @dataclass(slots=True)
 class _Cell:
     cell_id: str
-    kv_tokens: int
+    kv_tokens: int  # what the policies admit against: the smaller of the registered and the engine's
+    registered_kv: int = 0  # cell.registered's capacity (0: none given)
+    engine_kv: int = 0  # what its rollout worker's engine holds (weights.loaded; 0: not reported)
     role: Role = Role.IDLE
     state: CellState = CellState.ACTIVE
     role_since_s: float = 0.0
@@ -236,6 +238,9 @@ class RunView:
                         self._serves(cell, None, at)
             case WeightsLoaded():
                 cell = self._cell(data.cell_id)
+                if data.kv_capacity_tokens:
+                    cell.engine_kv = data.kv_capacity_tokens
+                    cell.kv_tokens = self._capacity(cell)
                 # A rollout worker standing by on a train cell serves nothing; from its cell's order into rollout
                 # on (its wake, after cell.released), what it loaded is what the cell serves.
                 if cell.role is Role.ROLLOUT:
@@ -244,13 +249,20 @@ class RunView:
                 return False  # anything else changes nothing the policies see
         return True
 
+    def _capacity(self, cell: _Cell) -> int:
+        """The KV the policies admit sessions against: what the cell registered and what its engine reported hold
+        it both (the smaller), either alone where the other is unknown, the scheduler's default where both are."""
+        known = [kv for kv in (cell.registered_kv, cell.engine_kv) if kv]
+        return min(known) if known else self.default_kv_tokens
+
     def _registered(self, data: CellRegistered) -> None:
-        kv = data.kv_capacity_tokens or self.default_kv_tokens
         cell = self.cells.get(data.cell_id)
         if cell is None:
-            self.cells[data.cell_id] = _Cell(data.cell_id, kv)
+            cell = self.cells[data.cell_id] = _Cell(data.cell_id, 0, registered_kv=data.kv_capacity_tokens)
+            cell.kv_tokens = self._capacity(cell)
             return
-        cell.kv_tokens = kv
+        cell.registered_kv = data.kv_capacity_tokens
+        cell.kv_tokens = self._capacity(cell)
         # A cell agent that registers again has restarted: it brings the cell back into its last
         # assigned role and says so with cell.ready; until then the cell is between roles. Its processes
         # died with it, so a drain it was waiting for is over.

@@ -55,6 +55,8 @@ BAD = [
     ("budgets:\n  reply_tokens: 9000\n", "budgets.reply_tokens: 9000 leaves no room for a prompt"),
     ("model:\n  max_model_len: 40960\noptim:\n  micro_batch_tokens: 4096\n",
      "optim.micro_batch_tokens: 4096 is below model.max_model_len 40960"),
+    ("scheduling:\n  kv_tokens_per_cell: 4096\n",
+     "scheduling.kv_tokens_per_cell: 4096 cannot hold one sequence of model.max_model_len 8192"),
 ]
 
 

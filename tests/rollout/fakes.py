@@ -100,6 +100,7 @@ class ScriptedEngine:
     block_size = 16
     kv_transfer = False
     kv_fingerprint = "scripted-model"
+    kv_capacity_tokens = 0  # unknown: the cell's registered capacity stands
 
     def __init__(
         self,

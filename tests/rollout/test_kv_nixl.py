@@ -36,7 +36,7 @@ class RecordingLLM:
         self.vllm_config = SimpleNamespace(
             model_config=SimpleNamespace(max_model_len=4096, enable_sleep_mode=False, model=str(model_dir),
                                          hf_config=hf_config, dtype="float32"),
-            cache_config=SimpleNamespace(block_size=16, cache_dtype="auto"),
+            cache_config=SimpleNamespace(block_size=16, cache_dtype="auto", num_gpu_blocks=65),
         )
 
     async def generate(self, prompt: dict[str, Any], params: Any, request_id: str) -> Any:

@@ -33,7 +33,8 @@ async def engine(model_dir, tmp_path_factory):
     from services.rollout.engine import VllmConfig, VllmEngine, prepare_cpu_environment
 
     prepare_cpu_environment(tmp_path_factory.mktemp("vllm"))
-    eng = VllmEngine.start(VllmConfig(model=model_dir, max_model_len=1024))
+    # A cell's KV sized as an accelerator's memory would bound it: 6,000 tokens, in whole blocks.
+    eng = VllmEngine.start(VllmConfig(model=model_dir, max_model_len=1024, kv_capacity_tokens=6000))
     await eng.warm_up()
     yield eng
     await eng.close()
@@ -42,6 +43,12 @@ async def engine(model_dir, tmp_path_factory):
 def _request(execution_id: str) -> GenerateRequest:
     return GenerateRequest(request_id=f"r-{execution_id}", execution_id=execution_id, base_len=0,
                            delta=TokenPayload(count=len(PROMPT)), sampling=SAMPLED)
+
+
+async def test_the_engine_holds_the_kv_it_was_sized_for_and_says_so(engine) -> None:
+    # The blocks allocated are the capacity asked for, rounded up to a whole block; the worker reports this.
+    assert engine.kv_capacity_tokens == -(-6000 // engine.block_size) * engine.block_size
+    assert engine._llm.vllm_config.cache_config.num_gpu_blocks == engine.kv_capacity_tokens // engine.block_size + 1
 
 
 async def test_an_engine_that_slept_and_woke_with_its_weights_reloaded_samples_as_before(engine, model_dir) -> None:

@@ -55,6 +55,20 @@ def test_registered_cells_start_idle_and_follow_assignment_until_ready() -> None
     assert v.snapshot(0).cells[0].state is CellState.SWITCHING
 
 
+def test_a_cell_admits_against_the_smaller_of_its_registered_kv_and_what_its_engine_reports() -> None:
+    v, log = view(), Log()
+    v.apply(log(registered("c0", kv=500)))
+    v.apply(log(registered("c1", kv=0)))
+    v.apply(log(WeightsLoaded(cell_id="c0", worker_id="c0", version=0, kv_capacity_tokens=384)))
+    v.apply(log(WeightsLoaded(cell_id="c1", worker_id="c1", version=0, kv_capacity_tokens=4096)))
+    assert [c.kv_capacity_tokens for c in v.snapshot(0).cells] == [384, 4096]  # c1 registered none: the engine's
+    # A worker that does not report its engine's KV (0) changes nothing; the agent registering again keeps the
+    # engine's report, and a registration below it wins.
+    v.apply(log(WeightsLoaded(cell_id="c1", worker_id="c1", version=1)))
+    v.apply(log(registered("c0", kv=256)))
+    assert [c.kv_capacity_tokens for c in v.snapshot(0).cells] == [256, 4096]
+
+
 def test_dispatched_queries_are_live_until_their_executions_end() -> None:
     v, log = view(), Log()
     ready_cells(v, log, {"c0": "rollout", "c1": "train"})

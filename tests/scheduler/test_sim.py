@@ -507,3 +507,12 @@ def test_the_peer_policy_moves_every_session_by_recompute_and_finishes_above_the
     gap = runs["reprefill"]["end_to_end_h"] - runs["elastic"]["end_to_end_h"]
     from_kv = runs["elastic-recompute"]["end_to_end_h"] - runs["elastic"]["end_to_end_h"]
     assert speedups["kv_share_of_reprefill_gap"] == pytest.approx(from_kv / gap)
+
+
+def test_a_fitted_cell_holds_the_kv_the_live_scheduler_admitted_against() -> None:
+    from services.scheduler.sim.calibrate import _cell_capacity
+
+    # Per cell the smaller of the registered capacity and its engine's report, either alone; the median of cells.
+    assert _cell_capacity({"c0": 1 << 20, "c1": 1 << 20}, {"c0": 73_728, "c1": 73_728}) == 73_728
+    assert _cell_capacity({"c0": 50_000}, {"c1": 80_000}) == 65_000
+    assert _cell_capacity({}, {}) == 1 << 20  # neither: the scheduler's default

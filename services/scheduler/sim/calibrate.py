@@ -89,7 +89,8 @@ def fit(run_id: str, events: Sequence[Event], *, group_size: int) -> tuple[Calib
     load_samples: list[int] = []  # … and the sessions its cell held then
     live_on: dict[str, set[str]] = defaultdict(set)
     cell_of: dict[str, str] = {}
-    kv_caps: list[int] = []
+    registered_kv: dict[str, int] = {}  # per cell: what cell.registered states, and what its engine reported
+    engine_kv: dict[str, int] = {}
     switch: dict[str, list[float]] = defaultdict(list)
     started_cells: set[str] = set()
     moved_tokens = moved_s = 0.0
@@ -128,7 +129,7 @@ def fit(run_id: str, events: Sequence[Event], *, group_size: int) -> tuple[Calib
                 per_token.append(d.latency_s / d.completion_tokens)
                 load_samples.append(len(live_on[d.cell_id]))
         elif isinstance(d, CellRegistered) and d.kv_capacity_tokens:
-            kv_caps.append(d.kv_capacity_tokens)
+            registered_kv[d.cell_id] = d.kv_capacity_tokens
         elif isinstance(d, CellReady):
             # A cell's first ready is its engine's cold start (from idle), not a switch between roles.
             if d.cell_id in started_cells and d.switch_seconds > 0:
@@ -146,8 +147,11 @@ def fit(run_id: str, events: Sequence[Event], *, group_size: int) -> tuple[Calib
                 step_cell_s += d.seconds * d.world_size
         elif isinstance(d, WeightsPublished):
             published[d.version] = seconds(event) - (d.publish_s or 0.0)
-        elif isinstance(d, WeightsLoaded) and d.version in published and d.version > 0:
-            syncs.append(seconds(event) - published.pop(d.version))
+        elif isinstance(d, WeightsLoaded):
+            if d.kv_capacity_tokens:
+                engine_kv[d.cell_id] = d.kv_capacity_tokens
+            if d.version in published and d.version > 0:
+                syncs.append(seconds(event) - published.pop(d.version))
     if not elapsed or not order:
         raise CalibrationError(f"run {run_id}: no finished execution in its log to fit a workload to")
     if step_cell_s <= 0 or trained <= 0:
@@ -171,7 +175,7 @@ def fit(run_id: str, events: Sequence[Event], *, group_size: int) -> tuple[Calib
         gen_fraction=gen_fraction,
         per_token_s=a,
         per_token_slope_s=slope,
-        kv_capacity_tokens=int(statistics.median(kv_caps)) if kv_caps else 1 << 20,
+        kv_capacity_tokens=_cell_capacity(registered_kv, engine_kv),
         to_train_s=statistics.median(switch["train"]) if switch["train"] else prior.to_train_s,
         to_rollout_s=statistics.median(switch["rollout"]) if switch["rollout"] else prior.to_rollout_s,
         migration_tokens_per_s=moved_tokens / moved_s if moved_s > 0 else None,
@@ -185,6 +189,14 @@ def fit(run_id: str, events: Sequence[Event], *, group_size: int) -> tuple[Calib
     )
     trace = Trace(np.asarray(durations, dtype=float), np.asarray(contexts, dtype=np.int64), group_size)
     return cal, trace
+
+
+def _cell_capacity(registered: dict[str, int], engine: dict[str, int]) -> int:
+    """A cell's KV as the live scheduler admitted against it (the smaller of the registered capacity and the
+    engine's, either where the other is unknown), the median over the cells; the scheduler's default (1 Mi
+    tokens) where the log has neither."""
+    caps = [min(kv for kv in (registered.get(c, 0), engine.get(c, 0)) if kv) for c in {*registered, *engine}]
+    return int(statistics.median(caps)) if caps else 1 << 20
 
 
 def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
