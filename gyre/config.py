@@ -178,7 +178,25 @@ class RunConfig(_Section):
         if kv is not None and kv < self.model.max_model_len:
             raise ValueError(f"scheduling.kv_tokens_per_cell: {kv} cannot hold one sequence of model.max_model_len "
                              f"{self.model.max_model_len}")
+        if kv is not None:
+            self._check_a_query_fits(kv)
         return self
+
+    def _check_a_query_fits(self, kv: int) -> None:
+        """A query starts only when its whole group has room (the scheduler's session reserve at its fill, on the
+        mode's rollout cells at their fewest: async's half split, every cell otherwise); one that never can would
+        leave the run waiting for ever."""
+        from services.scheduler.policies import FILL as fill
+        from services.scheduler.policies import SESSION_RESERVE_TOKENS as reserve
+
+        s = self.scheduling
+        per_cell = int(kv * fill) // reserve
+        cells = max(1, s.cells // 2) if s.mode == "async" else s.cells
+        if per_cell * cells < s.group_size:
+            raise ValueError(f"scheduling.kv_tokens_per_cell: {kv} holds {per_cell} session(s) a cell ({reserve:,} "
+                             f"tokens reserved each, at the {fill:.0%} fill), {per_cell * cells} on {s.mode}'s "
+                             f"{cells} rollout cell(s): fewer than a query's group_size {s.group_size}, so no query "
+                             f"could start")
 
     def is_tiny(self) -> bool:
         return self.model.path in TINY_MODELS

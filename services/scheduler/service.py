@@ -21,6 +21,8 @@ from services.scheduler.policies import (
     Action,
     AssignCell,
     DispatchQuery,
+    FILL,
+    SESSION_RESERVE_TOKENS,
     DrainCell,
     ElasticTiming,
     MigrateSession,
@@ -61,9 +63,9 @@ class SchedulerSettings(BaseSettings):
     budget_cells: int = Field(default=0, ge=0)  # 0: every registered cell
     rollout_cells: int = Field(default=0, ge=0)  # async's rollout pool; 0: half the budget
     min_cells: int = Field(default=1, ge=1)  # decide nothing before this many cells registered
-    session_reserve_tokens: int = Field(default=8192, ge=1)  # KV one session reserves on its cell
+    session_reserve_tokens: int = Field(default=SESSION_RESERVE_TOKENS, ge=1)  # KV one session reserves on its cell
     default_kv_tokens: int = Field(default=1 << 20, ge=1)  # a cell that registers capacity 0
-    fill: float = Field(default=0.9, gt=0, le=1)
+    fill: float = Field(default=FILL, gt=0, le=1)
     # An ordered session move the worker has not reported done or refused by then is taken as not made.
     migration_timeout_s: float = Field(default=300.0, gt=0)
     # A rollout cell this long behind the newest published weights stops holding dispatch (its load is stuck).

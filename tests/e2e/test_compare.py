@@ -28,7 +28,7 @@ async def test_compare_runs_each_mode_and_writes_the_comparison(store, bus, infr
            "COLUMNS": "200"}
     sets = [f"--set=logging.runs_dir={runs}", "--set=tasks.train=uppercase-1,sort-lines-1",
             "--set=scheduling.group_size=2", "--set=scheduling.pin_cells=true",
-            "--set=scheduling.kv_tokens_per_cell=16384"]  # each engine sized as an accelerator cell's
+            "--set=scheduling.kv_tokens_per_cell=18432"]  # each engine sized as an accelerator cell's: 2 sessions
     # In a thread: the fixtures' connections live on this event loop, which must go on answering their pings.
     argv = [sys.executable, "-m", "gyre.cli", "compare", "--config", "configs/quick.toml", "--modes", "async,elastic",
             "--steps", "1", *sets]
@@ -51,7 +51,7 @@ async def test_compare_runs_each_mode_and_writes_the_comparison(store, bus, infr
     assert sim["calibrated_on"] == "elastic" and set(sim["relative_error"]) == {"async", "elastic"}
     assert sim["fitted"]["train_tokens_per_cell_s"] > 0
     # The engines allocated the KV asked for (whole blocks), said so, and the scheduler and the fit admitted by it.
-    assert sim["fitted"]["kv_capacity_tokens"] == 16384
+    assert sim["fitted"]["kv_capacity_tokens"] == 18432
     for image in ("compare_timelines.png", "compare_curves.png", "compare_shares.png"):
         assert (out / image).stat().st_size > 5_000
     assert "elastic vs async" in result.stdout

@@ -57,6 +57,9 @@ BAD = [
      "optim.micro_batch_tokens: 4096 is below model.max_model_len 40960"),
     ("scheduling:\n  kv_tokens_per_cell: 4096\n",
      "scheduling.kv_tokens_per_cell: 4096 cannot hold one sequence of model.max_model_len 8192"),
+    ("scheduling:\n  kv_tokens_per_cell: 16384\n  mode: async\n  group_size: 2\n",
+     "scheduling.kv_tokens_per_cell: 16384 holds 1 session(s) a cell (8,192 tokens reserved each, at the 90% fill), "
+     "1 on async's 1 rollout cell(s): fewer than a query's group_size 2"),
 ]
 
 

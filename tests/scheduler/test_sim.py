@@ -516,3 +516,21 @@ def test_a_fitted_cell_holds_the_kv_the_live_scheduler_admitted_against() -> Non
     assert _cell_capacity({"c0": 1 << 20, "c1": 1 << 20}, {"c0": 73_728, "c1": 73_728}) == 73_728
     assert _cell_capacity({"c0": 50_000}, {"c1": 80_000}) == 65_000
     assert _cell_capacity({}, {}) == 1 << 20  # neither: the scheduler's default
+
+
+def test_a_fitted_preset_admits_as_many_sessions_a_cell_as_the_live_scheduler() -> None:
+    from services.scheduler.policies import FILL, SESSION_RESERVE_TOKENS
+    from services.scheduler.sim.calibrate import Calibration, preset_for
+    from services.scheduler.sim.engine import session_reserve_tokens
+
+    config = {"scheduling": {"queries_per_step": 1, "group_size": 2, "max_staleness": 1, "cells": 2},
+              "budgets": {"wall_s": 90}, "model": {"max_model_len": 8192}}
+    for capacity in (18_432, 73_728, 1 << 20):  # 2.25, 9 and 128 reserves a cell
+        cal = Calibration(run_id="r", executions=4, gen_fraction=0.3, per_token_s=0.01, per_token_slope_s=0.001,
+                          kv_capacity_tokens=capacity, to_train_s=1.0, to_rollout_s=0.2,
+                          migration_tokens_per_s=None, train_tokens_per_cell_s=1000.0, step_overhead_s=0.5,
+                          mean_context_tokens=1500.0, prompt_tokens=500.0, duration_log_mean=3.0,
+                          duration_log_sd=1.0, mean_sessions_per_cell=2.0)
+        preset = preset_for(cal, config, steps=1)
+        live = int(capacity * FILL) // SESSION_RESERVE_TOKENS
+        assert int(capacity * preset.fill) // session_reserve_tokens(preset) == live, capacity

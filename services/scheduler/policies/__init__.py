@@ -28,6 +28,10 @@ from services.scheduler.policies.snapshot import (
 from shared.cells import Role
 
 POLICY_NAMES = ("elastic", "async", "colocate")
+# KV the live scheduler reserves for a session on its cell until the session holds more (the admission floor), and
+# the fraction of a cell's KV the policies admit to: the defaults of GYRE_SCHEDULER_SESSION_RESERVE_TOKENS / _FILL.
+SESSION_RESERVE_TOKENS = 8192
+FILL = 0.9
 # The closest peer's behaviour, for comparison: verl's step switching (sessions aborted and prefilled again,
 # switches gated on their measured cost), and elastic with only the first of those two changes.
 PEER_POLICY_NAMES = ("reprefill", "elastic-recompute")
@@ -70,6 +74,7 @@ __all__ = [
     "DispatchQuery",
     "DrainCell",
     "ElasticPolicy",
+    "FILL",
     "ElasticTiming",
     "FinishedExecution",
     "LiveExecution",
@@ -82,6 +87,7 @@ __all__ = [
     "PolicyViolation",
     "QueuedQuery",
     "Role",
+    "SESSION_RESERVE_TOKENS",
     "Snapshot",
     "SwitchCosts",
     "TrainerView",

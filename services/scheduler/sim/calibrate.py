@@ -215,6 +215,7 @@ def preset_for(cal: Calibration, config: dict[str, Any], *, steps: int) -> Any:
     The decode law: a call's time per token is a + b·n with n sessions on the cell; the sim's is proportional to
     1 + C/C½ with C the resident context, so C½ = (a / b) sessions' worth of context, and the measured durations
     hold at the mean load seen (`nominal_fill`)."""
+    from services.scheduler.policies import SESSION_RESERVE_TOKENS
     from services.scheduler.sim.workload import Preset
 
     s, budgets = config["scheduling"], config["budgets"]
@@ -237,7 +238,10 @@ def preset_for(cal: Calibration, config: dict[str, Any], *, steps: int) -> Any:
         cells=s["cells"],
         kv_capacity_tokens=capacity,
         kv_bytes_per_token=1,
-        max_sessions_per_cell=max(1, capacity // 8192),
+        # Admission as the live scheduler's: its reserve a session (not the capacity's share at a whole number
+        # of sessions, which at a capacity of 2.25 reserves would admit one fewer than live did).
+        max_sessions_per_cell=max(1, capacity // SESSION_RESERVE_TOKENS),
+        session_reserve_tokens=SESSION_RESERVE_TOKENS,
         gen_fraction=cal.gen_fraction,
         nominal_fill=min(4.0, cal.mean_sessions_per_cell * ctx / capacity),
         kv_half_fill=half / capacity,

@@ -43,8 +43,8 @@ _CELL, _DEADLINE, _SWITCH, _MIGRATED, _TRAIN, _STEP, _DECIDE = range(7)
 def session_reserve_tokens(preset: Preset) -> int:
     """KV tokens admission reserves for each session: what an average session grows to, so growth does
     not overflow a full cell. The engine's concurrency limit is expressed as the same reserve, so one
-    number admits."""
-    per_seq = preset.kv_capacity_tokens / preset.max_sessions_per_cell
+    number admits; a preset may state the reserve instead (the live scheduler's, for a fitted one)."""
+    per_seq = preset.session_reserve_tokens or preset.kv_capacity_tokens / preset.max_sessions_per_cell
     return int(max(preset.mean_context_tokens, per_seq))
 
 

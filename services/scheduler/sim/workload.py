@@ -53,6 +53,9 @@ class Preset:
     kv_capacity_tokens: int = 4_000_000  # resident context one rollout cell holds
     kv_bytes_per_token: int = 64_000
     max_sessions_per_cell: int = 256  # engine concurrency limit (max_num_seqs), binds for short contexts
+    # KV admission reserves a session, at least (its mean context where larger); None: the capacity's share of a
+    # session at the engine's concurrency limit. A preset fitted to a live run gives the live scheduler's.
+    session_reserve_tokens: int | None = None
     gen_fraction: float = 0.5  # share of an execution's nominal time spent waiting on generation
     nominal_fill: float = 0.5  # KV fill at which nominal durations hold
     kv_half_fill: float = 0.5  # KV fill at which attention reads cost as much as weight reads
