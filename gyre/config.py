@@ -174,21 +174,20 @@ class RunConfig(_Section):
         if self.budgets.reply_tokens >= self.model.max_model_len:
             raise ValueError(f"budgets.reply_tokens: {self.budgets.reply_tokens} leaves no room for a prompt in "
                              f"model.max_model_len {self.model.max_model_len}")
-        kv = self.scheduling.kv_tokens_per_cell
-        if kv is not None and kv < self.model.max_model_len:
-            raise ValueError(f"scheduling.kv_tokens_per_cell: {kv} cannot hold one sequence of model.max_model_len "
-                             f"{self.model.max_model_len}")
-        if kv is not None:
-            self._check_a_query_fits(kv)
+        if self.scheduling.kv_tokens_per_cell is not None:
+            self._check_kv(self.scheduling.kv_tokens_per_cell)
         return self
 
-    def _check_a_query_fits(self, kv: int) -> None:
-        """A query starts only when its whole group has room (the scheduler's session reserve at its fill, on the
-        mode's rollout cells at their fewest: async's half split, every cell otherwise); one that never can would
-        leave the run waiting for ever."""
+    def _check_kv(self, kv: int) -> None:
+        """A cell's KV holds one whole sequence, and a query starts only when its whole group has room (the
+        scheduler's session reserve at its fill, on the mode's rollout cells at their fewest: async's half split,
+        every cell otherwise); one that never can would leave the run waiting for ever."""
         from services.scheduler.policies import FILL as fill
         from services.scheduler.policies import SESSION_RESERVE_TOKENS as reserve
 
+        if kv < self.model.max_model_len:
+            raise ValueError(f"scheduling.kv_tokens_per_cell: {kv} cannot hold one sequence of model.max_model_len "
+                             f"{self.model.max_model_len}")
         s = self.scheduling
         per_cell = int(kv * fill) // reserve
         cells = max(1, s.cells // 2) if s.mode == "async" else s.cells

@@ -19,6 +19,7 @@ from services.scheduler.policies import (
     Snapshot,
     SwitchCosts,
     TrainerView,
+    admitted_kv_tokens,
 )
 from services.scheduler.sessions import LiveSessions
 from shared.events import (
@@ -250,10 +251,7 @@ class RunView:
         return True
 
     def _capacity(self, cell: _Cell) -> int:
-        """The KV the policies admit sessions against: what the cell registered and what its engine reported hold
-        it both (the smaller), either alone where the other is unknown, the scheduler's default where both are."""
-        known = [kv for kv in (cell.registered_kv, cell.engine_kv) if kv]
-        return min(known) if known else self.default_kv_tokens
+        return admitted_kv_tokens(cell.registered_kv, cell.engine_kv, self.default_kv_tokens)
 
     def _registered(self, data: CellRegistered) -> None:
         cell = self.cells.get(data.cell_id)

@@ -11,7 +11,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -306,9 +305,11 @@ def test_vllm_engine_loads_the_model_and_its_logprobs_match_transformers(
     )["input_ids"]
     (tmp_path / "prompt.json").write_text(json.dumps(list(prompt_ids)))
     (tmp_path / "engine.py").write_text(_VLLM_SCRIPT)
-    # A short folder: the engine's IPC sockets live under TMPDIR, and a socket's path has at most 107 characters
-    # (pytest's tmp_path under a pytest-xdist worker is already about 90).
-    cache = Path(tempfile.mkdtemp(prefix="gyre-v-"))
+    # The engine's IPC sockets live under TMPDIR, whose path must leave room for a socket's name (107 characters at
+    # most; pytest's tmp_path under a pytest-xdist worker is already about 90): the workers' own choice of folder.
+    from services.rollout.engine import ipc_folder
+
+    cache = ipc_folder(tmp_path / "cache")
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
@@ -323,7 +324,8 @@ def test_vllm_engine_loads_the_model_and_its_logprobs_match_transformers(
             env=env, cwd=tmp_path, capture_output=True, text=True, timeout=500,
         )
     finally:
-        shutil.rmtree(cache, ignore_errors=True)
+        if cache != tmp_path / "cache":
+            shutil.rmtree(cache, ignore_errors=True)
     assert result.returncode == 0, result.stderr[-4000:]
     out = json.loads((tmp_path / "out.json").read_text())
     assert len(out["token_ids"]) == 16

@@ -24,6 +24,7 @@ from services.scheduler.policies.snapshot import (
     Snapshot,
     SwitchCosts,
     TrainerView,
+    admitted_kv_tokens,
 )
 from shared.cells import Role
 
@@ -91,6 +92,7 @@ __all__ = [
     "Snapshot",
     "SwitchCosts",
     "TrainerView",
+    "admitted_kv_tokens",
     "apply_actions",
     "make_policy",
 ]

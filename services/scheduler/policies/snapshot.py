@@ -22,6 +22,13 @@ class CellState(StrEnum):
     DRAINING = "draining"  # rollout cell taking no new sessions, waiting to be released
 
 
+def admitted_kv_tokens(registered: int, engine: int, default: int) -> int:
+    """The KV a cell admits sessions against: the smaller of what the cell registered and what its rollout engine
+    reported allocating, either alone where the other is 0 (unknown), `default` where both are."""
+    known = [kv for kv in (registered, engine) if kv]
+    return min(known) if known else default
+
+
 @dataclass(frozen=True, slots=True)
 class CellView:
     """One accelerator cell: its role, its state and its KV-cache capacity (in tokens)."""

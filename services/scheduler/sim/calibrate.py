@@ -195,7 +195,9 @@ def _cell_capacity(registered: dict[str, int], engine: dict[str, int]) -> int:
     """A cell's KV as the live scheduler admitted against it (the smaller of the registered capacity and the
     engine's, either where the other is unknown), the median over the cells; the scheduler's default (1 Mi
     tokens) where the log has neither."""
-    caps = [min(kv for kv in (registered.get(c, 0), engine.get(c, 0)) if kv) for c in {*registered, *engine}]
+    from services.scheduler.policies import admitted_kv_tokens
+
+    caps = [admitted_kv_tokens(registered.get(c, 0), engine.get(c, 0), 0) for c in {*registered, *engine}]
     return int(statistics.median(caps)) if caps else 1 << 20
 
 
