@@ -61,6 +61,8 @@ class Bus:
         # KV caches between rollout workers: only in transit, so a bucket whose objects expire.
         self.kv_objects = ObjectStore(js, f"{self._stream_prefix}-kv".lower(), ttl_s=KV_OBJECT_TTL_S,
                                       replicas=replicas)
+        # The trainer's distributed checkpoints, by name (services/trainer/checkpoints.py).
+        self.checkpoints = ObjectStore(js, f"{self._stream_prefix}-checkpoints".lower(), replicas=replicas)
         self._acks_subject: str | None = None
         self._pending_acks: dict[str, _PendingAcks] = {}
         self.dead_letters: Counter[str] = Counter()  # what this connection dead-lettered, by consumer

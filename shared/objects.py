@@ -286,6 +286,15 @@ class ObjectStore:
             raise ObjectDigestMismatch(name, f"{size} B", f"{received} B{' or more' if overflow else ''}")
         return bytes(data), "sha256:" + h.hexdigest()
 
+    async def list_names(self, prefix: str = "") -> list[str]:
+        """The names of the objects stored (not deleted) whose name starts with `prefix`."""
+        store = await self._objects()
+        try:
+            infos = await store.list(ignore_deletes=True)
+        except nats.js.errors.NotFoundError:  # an empty bucket
+            return []
+        return sorted(i.name for i in infos if i.name.startswith(prefix) and not i.deleted)
+
     async def purge_chunks(self, chunks: str) -> None:
         """Remove the chunks stored under an id (an upload abandoned before it wrote its meta)."""
         await self._objects()

@@ -102,7 +102,7 @@ async def make_bus(nats_url: str) -> Bus:
 async def drop_bus(bus: Bus) -> None:
     if bus.nc.is_connected:
         await bus.delete_streams()
-        for objects in (bus.objects, bus.kv_objects):
+        for objects in (bus.objects, bus.kv_objects, bus.checkpoints):
             try:
                 await bus.js.delete_object_store(objects.bucket)
             except Exception:

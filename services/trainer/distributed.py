@@ -1,58 +1,30 @@
-"""Process groups, FSDP2 sharding, micro-batch balancing and distributed checkpoints for the trainer ranks.
+"""Process groups, FSDP2 sharding and micro-batch balancing for the trainer ranks.
 
 One rank per train cell: gloo on CPU, NCCL on GPU. Re-forming with another world size goes through a
-torch.distributed.checkpoint directory, which DCP reshards on load.
+distributed checkpoint (checkpoints.py), which DCP reshards on load.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from shared import ports
 
 Precision = Literal["auto", "fp32", "bf16"]
-CHECKPOINT_PREFIX = "step-"
-STATE_FILE = "trainer_state.json"
 
 
 class DistributedError(Exception):
     pass
-
-
-class CheckpointError(DistributedError):
-    pass
-
-
-@contextmanager
-def _checkpoint_failures(what: str, path: Path) -> Iterator[None]:
-    """DCP's failures as a `CheckpointError`: its own `CheckpointException` is a BaseException, which handlers that
-    catch `Exception` (a rank's verb, the runtime's) would let through, ending the task that ran it unanswered."""
-    try:
-        yield
-    except dcp.CheckpointException as exc:
-        raise CheckpointError(f"{what} {path} failed: {exc}") from exc
 
 
 # ------------------------------------------------------------------------------------------------
@@ -242,91 +214,6 @@ def balance_micro_batches(token_counts: list[int], world_size: int) -> list[list
         assigned[rank].append(idx)
         loads[rank] += token_counts[idx]
     return [sorted(a) for a in assigned]
-
-
-# ------------------------------------------------------------------------------------------------
-# Checkpoints
-
-
-def checkpoint_dir(root: Path, step: int) -> Path:
-    return Path(root) / f"{CHECKPOINT_PREFIX}{step:08d}"
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    """The newest complete checkpoint (one whose trainer_state.json was written last) under root."""
-    root = Path(root)
-    if not root.is_dir():
-        return None
-    done = sorted(p for p in root.iterdir() if p.name.startswith(CHECKPOINT_PREFIX) and (p / STATE_FILE).is_file())
-    return done[-1] if done else None
-
-
-def read_trainer_state(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads((Path(path) / STATE_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path} has no readable {STATE_FILE}: {exc}") from exc
-
-
-def save_checkpoint(
-    root: Path,
-    step: int,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    trainer_state: dict[str, Any],
-    keep: int = 2,
-) -> Path:
-    """Save sharded model + optimizer state with DCP (every rank writes its shards) under root/step-N.
-
-    The state file is written last by rank 0, after every rank finished: its presence marks completion, so a
-    crash mid-save leaves a directory that `latest_checkpoint` ignores. All ranks must see the same root.
-    """
-    path = checkpoint_dir(root, step)
-    if dist.get_rank() == 0 and path.exists():
-        shutil.rmtree(path)  # an incomplete save of this step from before a crash
-    dist.barrier()
-    # An optimiser that has not stepped has no state, and get_state_dict would create it by running a
-    # zero-lr step (Adam's step count then starts at 1): save the model alone and say so.
-    with_optimizer = bool(optimizer.state)
-    if with_optimizer:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        with _checkpoint_failures("saving", path):
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
-    else:
-        with _checkpoint_failures("saving", path):
-            dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(path))
-    dist.barrier()
-    if dist.get_rank() == 0:
-        state = {**trainer_state, "step": step, "world_size": dist.get_world_size(), "optimizer": with_optimizer}
-        tmp = path / (STATE_FILE + ".tmp")
-        tmp.write_text(json.dumps(state, sort_keys=True))
-        os.replace(tmp, path / STATE_FILE)
-        _prune(Path(root), keep)
-    dist.barrier()
-    return path
-
-
-def _prune(root: Path, keep: int) -> None:
-    done = sorted(p for p in root.iterdir() if p.name.startswith(CHECKPOINT_PREFIX) and (p / STATE_FILE).is_file())
-    for old in done[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Load a DCP checkpoint into an already sharded model and its optimizer (any world size)."""
-    state = read_trainer_state(path)
-    if not state.get("optimizer", True):  # saved before the first step: a fresh optimiser, as then
-        model_sd = get_model_state_dict(model)
-        with _checkpoint_failures("loading", path):
-            dcp.load({"model": model_sd}, checkpoint_id=str(path))
-        set_model_state_dict(model, model_sd)
-        optimizer.state.clear()
-        return state
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    with _checkpoint_failures("loading", path):
-        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    return state
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

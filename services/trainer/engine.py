@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from services.trainer.checkpoints import CheckpointStore, FolderCheckpoints, load_checkpoint, save_checkpoint
 from services.trainer.distributed import (
     GroupSpec,
     Precision,
@@ -28,10 +29,7 @@ from services.trainer.distributed import (
     discard_gradients,
     full_state_dict,
     init_group,
-    latest_checkpoint,
     leave_group,
-    load_checkpoint,
-    save_checkpoint,
     set_gradient_sync,
     timed,
 )
@@ -171,7 +169,7 @@ class Trainer:
         model_dir: Path,
         spec: GroupSpec,
         config: TrainerConfig,
-        checkpoint_root: Path | None = None,
+        checkpoints: CheckpointStore | Path | None = None,
         *,
         store: dist.Store | None = None,
         template: torch.nn.Module | None = None,
@@ -182,10 +180,10 @@ class Trainer:
         mesh, group_s = timed(init_group, spec, store)
         trainer, build_s = timed(cls.build, model_dir, mesh, config, template)
         load_s = 0.0
-        if checkpoint_root is not None:
-            latest = latest_checkpoint(checkpoint_root)
-            if latest is not None:
-                _, load_s = timed(trainer.resume, latest)
+        if checkpoints is not None:
+            saved = FolderCheckpoints(checkpoints) if isinstance(checkpoints, Path) else checkpoints
+            if done := saved.complete():
+                _, load_s = timed(lambda: trainer.resume(saved.fetch(done[-1])))
         return trainer, ReformTiming(group_s=group_s, build_s=build_s, load_s=load_s)
 
     @classmethod
@@ -375,9 +373,12 @@ class Trainer:
     def trainer_state(self) -> dict[str, Any]:
         return {"step_count": self.step_count, "policy_version": self.policy_version}
 
-    def save(self, root: Path, keep: int = 2, extra: dict[str, Any] | None = None) -> Path:
+    def save(self, checkpoints: CheckpointStore | Path, keep: int = 2, extra: dict[str, Any] | None = None
+             ) -> dict[str, Any]:
+        """Checkpoint this step (a collective); returns the state file's contents."""
+        store = FolderCheckpoints(checkpoints) if isinstance(checkpoints, Path) else checkpoints
         state = {**self.trainer_state(), **(extra or {})}
-        return save_checkpoint(root, self.step_count, self.model, self.optimizer, state, keep=keep)
+        return save_checkpoint(store, self.step_count, self.model, self.optimizer, state, keep=keep)
 
     def resume(self, path: Path) -> dict[str, Any]:
         state = load_checkpoint(path, self.model, self.optimizer)

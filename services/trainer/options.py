@@ -34,8 +34,10 @@ class TrainerOptions(BaseSettings):
     # How long a batch a crashed trainer held waits for redelivery (default: the shared GYRE_ACK_WAIT_S). A
     # step may take many minutes; the consumer's progress acks keep its batch from redelivery meanwhile.
     ack_wait_s: float | None = None
-    # Default: <state_dir>/trainer/<run_id>/checkpoints. Every rank must see the same directory (one node, or a
-    # shared filesystem).
+    # Where the ranks keep the run's checkpoints (services/trainer/checkpoints.py): `folder`, a directory every
+    # rank sees (one node, or a shared filesystem; default <state_dir>/trainer/<run_id>/checkpoints), or `object`,
+    # the NATS Object Store, which ranks on nodes that share nothing but the bus all reach.
+    checkpoint_store: Literal["folder", "object"] = "folder"
     checkpoint_dir: Path | None = None
     # The coordinator's TCPStore, where the ranks meet: the address the ranks dial (this host as they see it)
     # and the port it listens on (0: any free port; the ranks learn it from `form`).

@@ -21,6 +21,8 @@ from shared.weights import DEFAULT_SHARD_BYTES, PublishDtype
 Verb = Literal["form", "step", "leave", "publish", "ping"]
 VERBS: tuple[Verb, ...] = ("form", "step", "leave", "publish", "ping")
 
+OBJECT_SCHEME = "object:"  # a checkpoint root in the Object Store's checkpoint bucket: `object:<run id>`
+
 
 def rank_subject(prefix: str, cell_id: str, verb: Verb) -> str:
     """The request/reply endpoint of the rank process on `cell_id`."""
@@ -66,7 +68,7 @@ class FormRequest(Body):
     world_size: int = Field(ge=1)
     store_host: str
     store_port: int = Field(ge=1)
-    checkpoint_root: str
+    checkpoint_root: str  # a folder every rank sees, or `object:<run id>` (the Object Store): checkpoints.py
     keep_checkpoints: int = Field(ge=0)  # 0: keep every checkpoint
     first_step: int = Field(ge=0)
     timeout_s: float = Field(gt=0)  # the rendezvous and every collective of the group
@@ -164,6 +166,7 @@ def decode_reply(verb: Verb, data: bytes) -> Body:
 
 
 __all__ = [
+    "OBJECT_SCHEME",
     "REPLIES",
     "REQUESTS",
     "VERBS",

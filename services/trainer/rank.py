@@ -8,6 +8,7 @@ the coordinator's `ping` tells a busy rank from a dead one, whose subjects have 
 from __future__ import annotations
 
 import asyncio
+import shutil
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -15,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
+from services.trainer.checkpoints import CheckpointStore, open_checkpoints
 from services.trainer.engine import PublishedShards
 from services.trainer.options import RankOptions
 from services.trainer.protocol import (
@@ -65,7 +67,7 @@ class RankService(Service):
         self.cell_id = self.options.cell_id
         self.rank_id = f"{self.cell_id}-{uuid.uuid4().hex[:8]}"  # a restarted process is another rank
         self.log = self.log.bind(cell_id=self.cell_id, rank_id=self.rank_id)
-        self.work = RankWork(self.settings.model_dir)
+        self.work = RankWork(self.settings.model_dir, self._checkpoints)
         self.busy: str | None = None  # the verb the torch thread runs
         self._torch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
         # The same-node handoff (rank 0's publications, for rollout workers on this node): on unless turned off.
@@ -73,9 +75,14 @@ class RankService(Service):
         self.local = LocalShards(folder, self.settings.node_id) if self.options.local_weights else None
         self._subscriptions: list[Any] = []
         self.warm_s = 0.0
+        self.loop: asyncio.AbstractEventLoop | None = None  # the bus's, where the torch thread's transfers run
+        # This process's own folder for checkpoints staged before an upload and fetched before a load.
+        self.checkpoint_local = Path(self.settings.state_dir) / "trainer" / self.settings.run_id / "ranks" / \
+            self.rank_id
 
     async def setup(self) -> None:
         assert self.bus is not None
+        self.loop = asyncio.get_running_loop()
         started = time.perf_counter()
         await self._on_torch("warm", self.work.warm)
         self.warm_s = time.perf_counter() - started
@@ -102,6 +109,13 @@ class RankService(Service):
         except Exception as exc:  # a thread stuck in a collective: the process exits without it
             self.log.warning("leave_on_stop_failed", error=f"{type(exc).__name__}: {exc}")
         self._torch.shutdown(wait=False, cancel_futures=True)
+        shutil.rmtree(self.checkpoint_local, ignore_errors=True)  # staged or fetched copies of what the store holds
+
+    def _checkpoints(self, root: str) -> CheckpointStore:
+        """The store a form's checkpoint root names (called on the torch thread): in the Object Store, staged and
+        fetched through a folder of this process's own."""
+        assert self.bus is not None and self.loop is not None
+        return open_checkpoints(root, self.bus.checkpoints, local=self.checkpoint_local, loop=self.loop)
 
     def health(self) -> dict[str, Any]:
         return {"cell_id": self.cell_id, "rank_id": self.rank_id, "generation": self.work.generation,

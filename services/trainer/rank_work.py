@@ -11,19 +11,13 @@ from __future__ import annotations
 import gc
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from services.trainer.distributed import (
-    GroupSpec,
-    balance_micro_batches,
-    group_store,
-    latest_checkpoint,
-    leave_group,
-    read_trainer_state,
-    timed,
-)
+from services.trainer.checkpoints import CheckpointStore, open_checkpoints
+from services.trainer.distributed import GroupSpec, balance_micro_batches, group_store, leave_group, timed
 from services.trainer.engine import PublishedShards, Trainer, TrainerConfig, load_model
 from services.trainer.loss import GspoConfig
 from services.trainer.protocol import FormReply, FormRequest, StepReply, StepRequest, TrainerSpec, TrainerState
@@ -66,8 +60,9 @@ def trainer_state(state: dict[str, Any], first_step: int) -> TrainerState:
 class RankWork:
     """Everything a rank does with torch. Not thread-safe: one thread calls it (rank.py's torch executor)."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, checkpoints: Callable[[str], CheckpointStore] = open_checkpoints) -> None:
         self.model_dir = Path(model_dir)
+        self.checkpoints = checkpoints  # a form's checkpoint root → its store (rank.py's reaches the Object Store)
         self.template: torch.nn.Module | None = None  # the unsharded base model, built once while standing by
         self.trainer: Trainer | None = None
         self.form_request: FormRequest | None = None  # the group it is in
@@ -102,14 +97,14 @@ class RankWork:
         trainer, timing = Trainer.start(
             self.model_dir, spec, trainer_config(request.trainer), store=store, template=self.template
         )
-        root = Path(request.checkpoint_root)
-        latest = latest_checkpoint(root)
-        if latest is None:
+        saved = self.checkpoints(request.checkpoint_root)
+        done = saved.complete()
+        if not done:
             # The model alone (an optimiser that has not stepped is saved as such: the first step is Adam's first).
-            path, load_s = timed(trainer.save, root, request.keep_checkpoints, {"last_step": request.first_step - 1})
-            state = read_trainer_state(path)
+            state, load_s = timed(trainer.save, saved, request.keep_checkpoints,
+                                  {"last_step": request.first_step - 1})
         else:
-            state, load_s = timed(trainer.resume, latest)
+            state, load_s = timed(lambda: trainer.resume(saved.fetch(done[-1])))
         self.trainer, self.form_request, self.intact = trainer, request, True
         return FormReply(
             rank_id=request.rank_id,
@@ -139,7 +134,7 @@ class RankWork:
         metrics = trainer.step(batch)
         seconds = time.perf_counter() - started
         metrics["staleness_bound_violations"] = float(metrics["staleness_max"] > request.max_staleness)
-        _, checkpoint_s = timed(trainer.save, Path(formed.checkpoint_root), formed.keep_checkpoints,
+        _, checkpoint_s = timed(trainer.save, self.checkpoints(formed.checkpoint_root), formed.keep_checkpoints,
                                 {"last_step": request.step, "metrics": metrics, "seconds": seconds})
         self.intact = True
         weights = trainer.weights_shards() if request.publish else None

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.trainer.distributed import GroupSpec, latest_checkpoint, read_trainer_state
+from services.trainer.checkpoints import latest_checkpoint, read_trainer_state
+from services.trainer.distributed import GroupSpec
 from services.trainer.engine import StepAlreadyTrained, Trainer, TrainerConfig
 from services.trainer.sft import load_records, pack_sequences, render_conversation
 from services.trainer.weights import write_model_dir
@@ -76,10 +77,10 @@ def run_step(
     if done is not None and batch.step <= int(done):
         raise StepAlreadyTrained(f"{batch_file} is the batch of step {batch.step}; the checkpoint {latest} "
                                  f"already holds steps up to {done}")
-    trainer, timing = Trainer.start(model_dir, spec, config, checkpoint_root=checkpoint_root)
+    trainer, timing = Trainer.start(model_dir, spec, config, checkpoints=Path(checkpoint_root))
     try:
         metrics = trainer.step(batch)
-        trainer.save(checkpoint_root, extra={"last_step": batch.step})
+        trainer.save(Path(checkpoint_root), extra={"last_step": batch.step})
         weights = trainer.weights_bytes()
         if weights is not None and weights_out is not None:
             Path(weights_out).write_bytes(weights)

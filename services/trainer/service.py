@@ -24,7 +24,7 @@ from services.trainer.group import Group, GroupBroken, RankClient
 from services.trainer.cell_facts import CellFacts
 from services.trainer.membership import CELL_FACTS, Decision, DrainOrder, decide
 from services.trainer.options import TrainerOptions
-from services.trainer.protocol import FormRequest, StepReply, StepRequest, TrainerSpec, TrainerState
+from services.trainer.protocol import OBJECT_SCHEME, FormRequest, StepReply, StepRequest, TrainerSpec, TrainerState
 from services.trainer.publications import Publications
 from shared.bus import ConsumerOptions
 from shared.effects import Effects
@@ -94,10 +94,13 @@ class TrainerService(Service):
         self.publications: Publications  # what it published, and retention (set up: needs the store)
 
     @property
-    def checkpoint_root(self) -> Path:
+    def checkpoint_root(self) -> str:
+        """Where the ranks keep the run's checkpoints (checkpoints.py): the Object Store, or a shared folder."""
+        if self.options.checkpoint_store == "object":
+            return OBJECT_SCHEME + self.settings.run_id
         if self.options.checkpoint_dir is not None:
-            return self.options.checkpoint_dir
-        return Path(self.settings.state_dir) / "trainer" / self.settings.run_id / "checkpoints"
+            return str(self.options.checkpoint_dir)
+        return str(Path(self.settings.state_dir) / "trainer" / self.settings.run_id / "checkpoints")
 
     def trainer_spec(self) -> TrainerSpec:
         s, o = self.settings, self.options
@@ -268,7 +271,7 @@ class TrainerService(Service):
             FormRequest(
                 generation=group.generation, rank_id=m.rank_id, rank=rank, world_size=group.world_size,
                 store_host=self.options.store_host, store_port=self._tcp_store.port,
-                checkpoint_root=str(self.checkpoint_root), keep_checkpoints=self.options.keep_checkpoints,
+                checkpoint_root=self.checkpoint_root, keep_checkpoints=self.options.keep_checkpoints,
                 first_step=self.options.first_step, timeout_s=self.options.collective_timeout_s,
                 trainer=self.trainer_spec(),
             )

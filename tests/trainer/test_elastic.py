@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.trainer.distributed import latest_checkpoint, read_trainer_state
+from services.trainer.checkpoints import latest_checkpoint, read_trainer_state
 from services.trainer.options import TrainerOptions
 from shared.cells import Role
 from shared.events import Event

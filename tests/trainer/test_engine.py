@@ -7,7 +7,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from services.trainer.distributed import GroupSpec, free_port, latest_checkpoint
+from services.trainer.checkpoints import latest_checkpoint
+from services.trainer.distributed import GroupSpec, free_port
 from services.trainer.engine import BatchMismatch, Trainer, TrainerConfig, flat_token_count
 from tests.trainer.trainer_trees import make_batch, pack, random_trajectories, tiny_model
 
@@ -91,7 +92,7 @@ def test_a_checkpoint_before_the_first_step_changes_nothing_and_resume_keeps_the
     def trained(save_first: bool) -> dict:
         root = tmp_path / f"ckpt-{save_first}"
         trainer, _ = Trainer.start(tmp_path / "model", GroupSpec(rank=0, world_size=1, master_port=free_port()),
-                                   TrainerConfig(lr=1e-3), checkpoint_root=root)
+                                   TrainerConfig(lr=1e-3), checkpoints=root)
         try:
             if save_first:
                 trainer.save(root)
@@ -104,7 +105,7 @@ def test_a_checkpoint_before_the_first_step_changes_nothing_and_resume_keeps_the
     plain, saved = trained(False), trained(True)
     assert max(float((plain[k] - saved[k]).abs().max()) for k in plain) == 0.0
     resumed, _ = Trainer.start(tmp_path / "model", GroupSpec(rank=0, world_size=1, master_port=free_port()),
-                               TrainerConfig(lr=5e-2), checkpoint_root=tmp_path / "ckpt-True")
+                               TrainerConfig(lr=5e-2), checkpoints=tmp_path / "ckpt-True")
     try:
         assert [g["lr"] for g in resumed.optimizer.param_groups] == [5e-2] * len(resumed.optimizer.param_groups)
     finally:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load as load_safetensors
 
-from services.trainer.distributed import checkpoint_dir, latest_checkpoint, read_trainer_state
+from services.trainer.checkpoints import checkpoint_dir, latest_checkpoint, read_trainer_state
 from services.trainer.options import RankOptions, TrainerOptions
 from services.trainer.protocol import StepRequest
 from services.trainer.rank import RankService

@@ -10,7 +10,8 @@ import torch
 from typer.testing import CliRunner
 
 from services.trainer.cli import train_app
-from services.trainer.distributed import free_port, latest_checkpoint, read_trainer_state
+from services.trainer.checkpoints import latest_checkpoint, read_trainer_state
+from services.trainer.distributed import free_port
 from services.trainer.packed_forward import packed_logprobs, to_tensors
 from services.trainer.sft import SftDataError, load_conversations, pack_sequences, render_conversation
 from gyre.tinymodel import create_tiny_model

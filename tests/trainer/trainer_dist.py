@@ -29,7 +29,7 @@ def _worker(rank: int, phases: list[tuple[int, int, int]], model_dir: str, ckpt:
         if rank >= world:
             continue
         spec = GroupSpec(rank=rank, world_size=world, master_port=port, timeout_s=300)
-        trainer, timing = Trainer.start(Path(model_dir), spec, CONFIG, checkpoint_root=Path(ckpt))
+        trainer, timing = Trainer.start(Path(model_dir), spec, CONFIG, checkpoints=Path(ckpt))
         reforms.append({"world": world, "group_s": timing.group_s, "build_s": timing.build_s, "load_s": timing.load_s})
         for _ in range(steps):
             metrics = trainer.step(make_batch(seed=7, step=trainer.step_count))
