@@ -10,6 +10,10 @@ where `gyre run` starts them itself on one machine. The same run config drives b
   sets (addresses, ports, this node's cells) wins.
 - `report`: waits for the run's last step, then writes the run's report beside its settings.
 
+With `GYRE_DEPLOY_SHARE=object` the nodes need no shared volume: `prepare` also stores the run's settings and
+models in the NATS Object Store and points the trainer's checkpoints there, and `serve` and `report` on a node
+without the run's folder fetch it first (gyre/deploy_share.py).
+
 Addresses are never the run's: each container gets NATS, PostgreSQL, the gateway and the trainer's rendezvous
 from its orchestrator (deploy/env/*.env for compose).
 """
@@ -29,6 +33,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from gyre.config import ConfigError, dump, environment, load_config, parse_sets
+from gyre.deploy_share import ShareError, share_mode
 from gyre.processes import service_processes
 from gyre.run_plan import plan_run
 from shared.events import Event
@@ -69,8 +74,14 @@ def prepare(
 ) -> None:
     """Plan the run, provide its model and warm start, and write its settings (once: a prepared run is kept)."""
     here = run_dir()
+    try:
+        mode = share_mode()
+    except ShareError as exc:
+        raise _fail(str(exc)) from None
     if (here / RUN_ENV).is_file():
         console.print(f"run {here.name} is prepared ({here / RUN_ENV}): its services resume it")
+        if mode == "object":
+            _share(here)
         return
     extra = [s for s in os.environ.get("GYRE_DEPLOY_SET", "").split(";") if s.strip()]
     try:
@@ -98,6 +109,8 @@ def prepare(
         "GYRE_CELL_LOG_DIR": str(here / "logs" / "cells"),
         "VLLM_CACHE_ROOT": str(here / "cache" / "vllm"),
     }
+    if mode == "object":  # nodes share nothing but the bus: the ranks' checkpoints go to the Object Store too
+        env["GYRE_TRAINER_CHECKPOINT_STORE"] = "object"
     if config.warm_start.model is not None:
         env["GYRE_MODEL_DIR"] = str(Path(config.warm_start.model).resolve())
     elif config.warm_start.steps > 0:
@@ -112,6 +125,55 @@ def prepare(
     partial.rename(here / RUN_ENV)
     console.print(f"run {here.name} prepared: {len(plan.task_ids)} tasks, {config.scheduling.steps} steps; "
                   f"settings in {here / RUN_ENV}")
+    if mode == "object":
+        _share(here)
+
+
+def _share(here: Path) -> None:
+    """Store the prepared run in the Object Store for nodes without this folder (once: a stored run is kept)."""
+    from gyre.deploy_share import publish_run, stored_run
+
+    import nats.errors
+
+    settings = load_settings()
+    deadline = time.monotonic() + 300
+    while True:  # a cluster that is still electing its leaders times requests out for a while
+        try:
+            if asyncio.run(stored_run(settings)):
+                return
+            stored = asyncio.run(publish_run(settings, here, (here / RUN_ENV).read_text()))
+            break
+        except nats.errors.Error as exc:
+            if time.monotonic() > deadline:
+                raise _fail(f"the Object Store did not take the run: {type(exc).__name__}: {exc}") from None
+            time.sleep(2.0)
+    console.print(f"run {here.name} stored in the Object Store for the other nodes ({stored / 2**20:.1f} MiB)")
+
+
+def _await_prepared(here: Path, wait_s: float, needs: str = RUN_ENV) -> None:
+    """Wait for the prepared run's `needs` file in this node's run folder; with GYRE_DEPLOY_SHARE=object, fetch
+    the run from the Object Store into it when it is not there."""
+    deadline = time.monotonic() + wait_s
+    try:
+        mode = share_mode()
+    except ShareError as exc:
+        raise _fail(str(exc)) from None
+    if (here / needs).is_file() and (here / RUN_ENV).is_file():
+        return
+    console.print(f"waiting for the run to be prepared ({here / needs}"
+                  f"{', or stored in the Object Store' if mode == 'object' else ''})")
+    if mode == "object":
+        from gyre.deploy_share import fetch_run
+
+        here.mkdir(parents=True, exist_ok=True)
+        if not asyncio.run(fetch_run(load_settings(), here, RUN_ENV, deadline)):
+            raise _fail(f"the run {here.name} was not stored in the Object Store within {wait_s:g} s: has "
+                        f"`gyre deploy prepare` run with GYRE_DEPLOY_SHARE=object?")
+        return
+    while not ((here / needs).is_file() and (here / RUN_ENV).is_file()):
+        if time.monotonic() > deadline:
+            raise _fail(f"{here / needs} did not appear within {wait_s:g} s: has `gyre deploy prepare` run?")
+        time.sleep(1.0)
 
 
 PROCESSES = tuple(p.name for p in service_processes(sys.executable))
@@ -127,14 +189,8 @@ def serve(
     procs = {p.name: p for p in service_processes(sys.executable)}
     if name not in procs:
         raise _fail(f"unknown process {name!r}; expected one of {', '.join(procs)}")
+    _await_prepared(run_dir(), wait_s)
     path = run_dir() / RUN_ENV
-    deadline = time.monotonic() + wait_s
-    if not path.is_file():
-        console.print(f"waiting for the run to be prepared ({path})")
-    while not path.is_file():
-        if time.monotonic() > deadline:
-            raise _fail(f"{path} did not appear within {wait_s:g} s: has `gyre deploy prepare` run?")
-        time.sleep(1.0)
     argv = procs[name].argv
     os.execvpe(argv[0], argv, process_environment(read_env(path), dict(os.environ), procs[name].env))
 
@@ -155,10 +211,7 @@ def report(
 
     here = run_dir()
     deadline = time.monotonic() + timeout_s
-    while not (here / "config.yaml").is_file() or not (here / RUN_ENV).is_file():
-        if time.monotonic() > deadline:
-            raise _fail(f"the run in {here} was never prepared")
-        time.sleep(1.0)
+    _await_prepared(here, timeout_s, needs="config.yaml")
     config, _ = load_config(here / "config.yaml")
     try:
         events = asyncio.run(_events_until(load_settings().run_id, config.scheduling.steps, deadline))

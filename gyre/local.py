@@ -118,11 +118,15 @@ class EmbeddedNats:
 
 
 class EmbeddedPostgres:
-    def __init__(self, state_dir: Path, port: int | None = None) -> None:
+    def __init__(self, state_dir: Path, port: int | None = None, *, listen: str = "127.0.0.1",
+                 trust_network: str | None = None) -> None:
+        """`listen`: the addresses the server listens on (PostgreSQL's listen_addresses); `trust_network`: a
+        network (CIDR) whose hosts may connect without a password besides this host's (other nodes')."""
         self.dir = state_dir.resolve() / "postgres"  # postgres runs in its data dir: paths must be absolute
         self.data = self.dir / "data"
         self.port = port or free_port()
         self.bin = postgres_bin_dir()
+        self.listen, self.trust_network = listen, trust_network
 
     @property
     def url(self) -> str:
@@ -153,7 +157,10 @@ class EmbeddedPostgres:
                 [str(self.bin / "initdb"), "-D", str(self.data), "-U", "postgres", "--auth=trust",
                  "--encoding=UTF8", "--no-sync"]
             )
-        opts = f"-p {self.port} -h 127.0.0.1 -k {self.dir} -c fsync=off -c max_connections=200"
+            if self.trust_network:
+                with open(self.data / "pg_hba.conf", "a") as hba:
+                    hba.write(f"host all all {self.trust_network} trust\n")
+        opts = f"-p {self.port} -h {self.listen} -k {self.dir} -c fsync=off -c max_connections=200"
         self._run(
             [str(self.bin / "pg_ctl"), "-D", str(self.data), "-l", str(self.dir / "postgres.log"), "-w",
              "-o", opts, "start"]

@@ -28,17 +28,8 @@ from services.trainer.protocol import OBJECT_SCHEME, FormRequest, StepReply, Ste
 from services.trainer.publications import Publications
 from shared.bus import ConsumerOptions
 from shared.effects import Effects
-from shared.events import (
-    BatchReady,
-    BlobRef,
-    CellDrained,
-    Event,
-    GroupFormed,
-    RankStepped,
-    StepCompleted,
-    WeightsPublished,
-    stream_id_for,
-)
+from shared.events import (BatchReady, BlobRef, CellDrained, Event, GroupFormed, RankStepped, StepCompleted,
+                           WeightsPublished, stream_id_for)
 from shared.runtime import Service
 from shared.settings import Settings
 from shared.store import ConcurrencyConflict
@@ -94,13 +85,11 @@ class TrainerService(Service):
         self.publications: Publications  # what it published, and retention (set up: needs the store)
 
     @property
-    def checkpoint_root(self) -> str:
-        """Where the ranks keep the run's checkpoints (checkpoints.py): the Object Store, or a shared folder."""
+    def checkpoint_root(self) -> str:  # where the ranks keep the checkpoints: the Object Store or a shared folder
         if self.options.checkpoint_store == "object":
             return OBJECT_SCHEME + self.settings.run_id
-        if self.options.checkpoint_dir is not None:
-            return str(self.options.checkpoint_dir)
-        return str(Path(self.settings.state_dir) / "trainer" / self.settings.run_id / "checkpoints")
+        return str(self.options.checkpoint_dir or Path(self.settings.state_dir) / "trainer" / self.settings.run_id
+                   / "checkpoints")
 
     def trainer_spec(self) -> TrainerSpec:
         s, o = self.settings, self.options

@@ -1,0 +1,121 @@
+"""A prepared run's files through the NATS Object Store, for nodes that share nothing but the bus
+(`GYRE_DEPLOY_SHARE=object`).
+
+`gyre deploy prepare` writes the run's folder once (its settings `run.env`, the resolved config, the model it made
+and the warm-started one). With a shared volume every node reads that folder. Without one, `prepare` also stores
+those files in the checkpoint bucket of the Object Store, under `runs/<run id>/`, and `serve` and `report` on a
+node that has no copy fetch them into the node's own run folder first.
+
+Paths inside the run folder are written as `{run_dir}` in the stored `run.env` and become the fetching node's own
+folder; paths outside it (the tasks, a mounted checkpoint, the Claude Code install) must exist on every node (the
+image, or a mount). The stored `run.env` is written last: a node fetches a run only once every file is stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+from typing import Literal
+
+import nats.errors
+
+from shared.bus import Bus
+from shared.settings import Settings
+
+ShareMode = Literal["folder", "object"]
+PLACEHOLDER = "{run_dir}"
+SHARED_FOLDERS = ("model", "sft")  # the model `prepare` makes and the warm start's result, when there are any
+SHARED_FILES = ("config.yaml",)
+
+
+class ShareError(Exception):
+    pass
+
+
+def share_mode() -> ShareMode:
+    mode = os.environ.get("GYRE_DEPLOY_SHARE", "folder")
+    if mode not in ("folder", "object"):
+        raise ShareError(f"GYRE_DEPLOY_SHARE={mode!r}: expected folder (a volume every node mounts) or object "
+                         f"(the NATS Object Store)")
+    return mode  # type: ignore[return-value]
+
+
+def _prefix(run_id: str) -> str:
+    return f"runs/{run_id}/"
+
+
+async def _connect(settings: Settings) -> Bus:
+    if not settings.nats_url:
+        raise ShareError("GYRE_NATS_URL must be set to share the run through the Object Store")
+    return await Bus.connect(settings.nats_url, prefix=settings.subject_prefix, replicas=settings.stream_replicas,
+                             name="gyre-deploy")
+
+
+async def stored_run(settings: Settings) -> bool:
+    """Whether the run is stored whole (its settings, written last, are)."""
+    bus = await _connect(settings)
+    try:
+        return _prefix(settings.run_id) + "run.env" in await bus.checkpoints.list_names(_prefix(settings.run_id))
+    finally:
+        await bus.close()
+
+
+async def publish_run(settings: Settings, here: Path, run_env: str) -> int:
+    """Store the prepared run's files and then its settings (with `here` as the placeholder); returns the bytes
+    stored."""
+    bus = await _connect(settings)
+    stored = 0
+    try:
+        files = [here / name for name in SHARED_FILES if (here / name).is_file()]
+        for folder in SHARED_FOLDERS:
+            if (here / folder).is_dir():
+                files += sorted(p for p in (here / folder).rglob("*") if p.is_file())
+        for path in files:
+            data = path.read_bytes()
+            await bus.checkpoints.put_object(data, name=_prefix(settings.run_id) + str(path.relative_to(here)))
+            stored += len(data)
+        env = run_env.replace(str(here), PLACEHOLDER).encode()
+        await bus.checkpoints.put_object(env, name=_prefix(settings.run_id) + "run.env")
+        return stored + len(env)
+    finally:
+        await bus.close()
+
+
+async def fetch_run(settings: Settings, here: Path, run_env_name: str, deadline: float) -> bool:
+    """Fetch a run stored by `publish_run` into this node's run folder (`here`), waiting until `deadline`
+    (monotonic) for it to be stored; True once `here` holds it, False when it never was."""
+    bus = await _connect(settings)
+    prefix = _prefix(settings.run_id)
+    try:
+        while True:
+            try:
+                names = await bus.checkpoints.list_names(prefix)
+            except nats.errors.Error as exc:  # a cluster still electing its leaders (JetStream's errors too)
+                names = []
+                if time.monotonic() > deadline:
+                    raise ShareError(f"the Object Store did not answer: {type(exc).__name__}: {exc}") from exc
+            if prefix + "run.env" in names:
+                break
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(1.0)
+        for name in names:
+            relative = name.removeprefix(prefix)
+            if relative == "run.env" or ".." in Path(relative).parts:
+                continue
+            target = here / relative
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(await bus.checkpoints.get_object(name))
+        env = (await bus.checkpoints.get_object(prefix + "run.env")).decode().replace(PLACEHOLDER, str(here))
+        partial = here / (run_env_name + ".partial")
+        partial.touch(mode=0o600)  # it holds the token secret
+        partial.write_text(env)
+        partial.rename(here / run_env_name)  # last: a node whose fetch was cut short fetches again
+        return True
+    finally:
+        await bus.close()
+
+
+__all__ = ["PLACEHOLDER", "ShareError", "ShareMode", "fetch_run", "publish_run", "share_mode", "stored_run"]
