@@ -5,8 +5,10 @@ NATS cluster runs across them (one server a node, JetStream replicated R3), Post
 The run is `gyre deploy` as an orchestrator would start it, each process given nothing but its node's settings:
 node a prepares the run (GYRE_DEPLOY_SHARE=object: its settings and model go to the Object Store) and runs the
 services; nodes b and c each run a cell agent, which fetches the run from the Object Store into the node's own
-folder. Weights reach the rollout worker through the bus, the trainer rank's checkpoints go to the Object Store.
-Mid-run, node b's NATS server is killed; the run goes on to its report with every step completed once.
+folder. The run is colocated: both cells roll out, then both train as one group of two ranks (one a node, gloo
+across the bridge), whose checkpoints (both nodes' shards) go to the Object Store and are loaded from it at each
+re-form; weights reach the workers through the bus. Mid-run, node b's NATS server is killed; the run goes on to
+its report with every step completed once.
 
 The namespaces, the processes and the servers are the test's own and are removed when it ends."""
 
@@ -147,7 +149,9 @@ def node_env(net: Network, node: Node, run_id: str) -> dict[str, str]:
         "GYRE_STATE_DIR": str(node.folder / "state"),
         "GYRE_NODE_ID": f"node-{node.name}",
         "GYRE_DEPLOY_SHARE": "object",
-        "GYRE_DEPLOY_SET": f"scheduling.steps={STEPS}",
+        # One pool of both nodes' cells, rolling out together and then training together: a trainer group of two
+        # ranks, one a node, whose collectives cross the bridge and whose checkpoints hold both nodes' shards.
+        "GYRE_DEPLOY_SET": f"scheduling.steps={STEPS};scheduling.mode=colocate",
         "GYRE_TRAINER_STORE_HOST": a.address,
         "GYRE_TRAINER_STORE_PORT": "29400",
         "GYRE_ROLLOUT_HOST": "0.0.0.0",
