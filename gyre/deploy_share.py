@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Literal
 
 import nats.errors
+from pydantic import ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.bus import Bus
 from shared.settings import Settings
@@ -34,12 +36,22 @@ class ShareError(Exception):
     pass
 
 
+class DeployOptions(BaseSettings):
+    """`gyre deploy`'s own settings (env `GYRE_DEPLOY_…`)."""
+
+    model_config = SettingsConfigDict(env_prefix="GYRE_DEPLOY_", extra="ignore", frozen=True)
+
+    # How the nodes share the prepared run and the trainer's checkpoints: `folder`, a volume every node mounts;
+    # `object`, the NATS Object Store.
+    share: ShareMode = "folder"
+
+
 def share_mode() -> ShareMode:
-    mode = os.environ.get("GYRE_DEPLOY_SHARE", "folder")
-    if mode not in ("folder", "object"):
-        raise ShareError(f"GYRE_DEPLOY_SHARE={mode!r}: expected folder (a volume every node mounts) or object "
-                         f"(the NATS Object Store)")
-    return mode  # type: ignore[return-value]
+    try:
+        return DeployOptions().share
+    except ValidationError:
+        raise ShareError(f"GYRE_DEPLOY_SHARE={os.environ.get('GYRE_DEPLOY_SHARE')!r}: expected folder (a volume "
+                         f"every node mounts) or object (the NATS Object Store)") from None
 
 
 def _prefix(run_id: str) -> str:
@@ -118,4 +130,4 @@ async def fetch_run(settings: Settings, here: Path, run_env_name: str, deadline:
         await bus.close()
 
 
-__all__ = ["PLACEHOLDER", "ShareError", "ShareMode", "fetch_run", "publish_run", "share_mode", "stored_run"]
+__all__ = ["PLACEHOLDER", "DeployOptions", "ShareError", "ShareMode", "fetch_run", "publish_run", "share_mode", "stored_run"]

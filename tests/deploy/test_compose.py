@@ -90,6 +90,7 @@ def test_the_gpu_override_reserves_the_gpus_for_the_cells_and_builds_the_gpu_ima
 
 def test_the_env_files_name_settings_the_services_read() -> None:
     from gyre.config import VARIABLES
+    from gyre.deploy_share import DeployOptions
     from services.harness.service import HarnessSettings
     from services.rollout.service import RolloutSettings
     from services.scheduler.cell_settings import CellSettings
@@ -97,7 +98,7 @@ def test_the_env_files_name_settings_the_services_read() -> None:
     from shared.settings import Settings
 
     known = {name for names in VARIABLES.values() for name in names}
-    for model in (Settings, CellSettings, TrainerOptions, HarnessSettings, RolloutSettings):
+    for model in (Settings, CellSettings, TrainerOptions, HarnessSettings, RolloutSettings, DeployOptions):
         prefix = model.model_config.get("env_prefix", "")
         known |= {f"{prefix}{field}".upper() for field in model.model_fields}
     for path in sorted((REPO / "deploy" / "env").glob("*.env")):
