@@ -119,8 +119,9 @@ def kv_fingerprint(vllm_config: Any, block_size: int) -> str:
     model = vllm_config.model_config
     weights = sorted((f.name, f.stat().st_size) for f in Path(model.model).glob("*.safetensors")) \
         if Path(model.model).is_dir() else []
+    config = {k: v for k, v in model.hf_config.to_dict().items() if k != "_name_or_path"}  # the folder it was read from
     identity = {
-        "config": model.hf_config.to_dict(),
+        "config": config,
         "dtype": str(model.dtype),
         "kv_cache_dtype": str(vllm_config.cache_config.cache_dtype),
         "block_size": block_size,

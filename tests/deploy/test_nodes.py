@@ -8,7 +8,8 @@ services; nodes b and c each run a cell agent, which fetches the run from the Ob
 folder. The run is colocated: both cells roll out, then both train as one group of two ranks (one a node, gloo
 across the bridge), whose checkpoints (both nodes' shards) go to the Object Store and are loaded from it at each
 re-form; weights reach the workers through the bus. Mid-run, node b's NATS server is killed; the run goes on to
-its report with every step completed once.
+its report with every step completed once. Then, on the same cluster (two servers left), a session's KV moves
+from a worker on node b to one on node c through the Object Store (tests/deploy/kv_across_nodes.py drives it).
 
 The namespaces, the processes and the servers are the test's own and are removed when it ends."""
 
@@ -29,7 +30,9 @@ from pathlib import Path
 
 import pytest
 
+from gyre.deploy import read_env
 from gyre.local import nats_server_binary
+from gyre.processes import reap_strays
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
@@ -219,7 +222,8 @@ async def test_a_run_across_three_nodes_sharing_nothing_but_the_bus_survives_los
     await asyncio.to_thread(a.run, [sys.executable, "-c", (
         "from pathlib import Path; from gyre.local import EmbeddedPostgres; "
         f"EmbeddedPostgres(Path({str(a.folder)!r}), 5432, listen='0.0.0.0', "
-        f"trust_network='{NET.format(network.net, 0)}/24').start()")], envs["a"])
+        f"trust_network='{NET.format(network.net, 0)}/24').start()")],
+        {k: v for k, v in os.environ.items() if not k.startswith("GYRE_")})  # not one of the run's processes
     gyre = [sys.executable, "-m", "gyre.cli"]
     await asyncio.to_thread(a.run, [*gyre, "migrate"], envs["a"])
     # The cell agents start first and wait for the run to appear in the Object Store.
@@ -265,3 +269,31 @@ async def test_a_run_across_three_nodes_sharing_nothing_but_the_bus_survives_los
     for node in network.nodes:  # the folder a shared volume would hold them in was never made
         assert not (node.folder / "state" / "runs" / run_id / "checkpoints").exists(), node.name
         assert not (node.folder / "state" / "trainer" / run_id / "checkpoints").exists(), node.name
+
+    # A session's KV moves between nodes over the bus. The run's processes (its cells' engines too) stop; a
+    # second run on the same cluster serves one execution on a worker of node b's and moves it to one of c's.
+    for node in network.nodes:
+        for name in [n for n in node.procs if n != "nats"]:
+            node.kill(name)
+    await asyncio.to_thread(reap_strays, run_id)
+    kv_run = f"{run_id}-kv"
+
+    def kv_env(node: Node, **own: str) -> dict[str, str]:
+        prepared = read_env(node.folder / "state" / "runs" / run_id / "run.env")
+        return {**prepared, **envs[node.name], "GYRE_RUN_ID": kv_run, **own}
+
+    a.popen("kv-relay", [*gyre, "relay"], kv_env(a))
+    a.popen("kv-gateway", [sys.executable, "-m", "services.rollout", "gateway"], kv_env(a))
+    for node in (b, c):
+        node.popen("kv-worker", [sys.executable, "-m", "services.rollout", "worker"],
+                   kv_env(node, GYRE_ROLLOUT_CELL_ID=f"kv-{node.name}"))
+    out = await asyncio.to_thread(a.run, [sys.executable, "-m", "tests.deploy.kv_across_nodes", "kv-b", "kv-c"],
+                                  kv_env(a), 1200)
+    result = json.loads(out.strip().splitlines()[-1])
+    moved = result["migrated"]
+    assert (moved["from_cell"], moved["to_cell"], moved["method"]) == ("kv-b", "kv-c", "kv"), moved
+    assert not moved.get("fallback"), moved
+    assert moved["tokens"] >= 256 and moved["bytes"] > 0
+    assert result["cells"] == ["kv-b", "kv-c"]
+    # The call on node c's worker read the moved prefix from its cache instead of computing it again.
+    assert result["cache_read"] >= moved["tokens"] - 128, result

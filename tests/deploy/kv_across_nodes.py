@@ -1,0 +1,102 @@
+"""The driver of test_nodes.py's KV move, run on node a (`python -m tests.deploy.kv_across_nodes CELL_FROM CELL_TO`
+in its namespace, with the run's environment): one execution calls through the gateway onto a worker on one node,
+the scheduler's order (`kv.migration_ordered`, appended as the scheduler appends it) moves its session to a worker
+on another node, and the next call runs there from the moved KV. Prints the move and the calls as one JSON line."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+
+from shared.events import (
+    CallCompleted,
+    ExecutionStarted,
+    KvMigrated,
+    KvMigrationOrdered,
+    QueryDispatched,
+    WeightsLoaded,
+    execution_id_for,
+    new_event,
+    stream_id_for,
+)
+from shared.execution_tokens import derive_execution_token
+from shared.store import EventStore
+
+PROMPT = "Remember these: " + " ".join(f"word{i % 89}" for i in range(400)) + ". Go."
+
+
+async def main(source: str, target: str) -> dict[str, Any]:
+    run_id = os.environ["GYRE_RUN_ID"]
+    store = await EventStore.connect(os.environ["GYRE_DATABASE_URL"])
+
+    async def events() -> list[Any]:
+        return [s.event for s in await store.read_all(run_id=run_id)]
+
+    async def wait(found: Any, what: str, timeout_s: float) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if result := found(await events()):
+                return result
+            await asyncio.sleep(0.5)
+        raise SystemExit(f"timed out waiting for {what}")
+
+    async def append(data: Any, stream: str) -> None:
+        event = new_event(data, run_id=run_id, stream_id=stream, version=1, occurred_at=datetime.now(UTC))
+        await store.append([event], expected_version="any")
+
+    try:
+        await wait(lambda evs: {e.data.cell_id for e in evs if isinstance(e.data, WeightsLoaded)} >= {source, target},
+                   "both workers serving", 900)
+        await asyncio.sleep(3.0)  # the gateway has heard both workers' status beats
+        execution_id = execution_id_for("q-kv", 0)
+        await append(QueryDispatched(query_id="q-kv", task_id="none", group_size=1, seeds=[7], step=0,
+                                     policy_version=0, placements=[source]), "query-q-kv")
+        await append(ExecutionStarted(execution_id=execution_id, query_id="q-kv", task_id="none", group_size=1,
+                                      sample_index=0, seed=7, call_budget=100, cell_id=source),
+                     stream_id_for("execution", execution_id))
+        token = derive_execution_token(os.environ["GYRE_ROLLOUT_TOKEN_SECRET"].encode(), execution_id)
+        url = f"http://127.0.0.1:{os.environ['GYRE_ROLLOUT_PORT']}/v1/messages"
+        messages: list[dict[str, Any]] = [{"role": "user", "content": PROMPT}]
+        usages: list[dict[str, Any]] = []
+
+        async def call() -> None:
+            body = {"model": os.environ.get("GYRE_ROLLOUT_MODEL_NAME", "gyre-tiny"), "max_tokens": 24,
+                    "messages": messages, "temperature": 1.0}
+            deadline = time.monotonic() + 60  # 401 until the gateway has taken the execution up
+            async with httpx.AsyncClient(timeout=300.0) as http:
+                while (reply := await http.post(url, json=body, headers={
+                        "x-api-key": token, "anthropic-version": "2023-06-01"})).status_code == 401:
+                    if time.monotonic() > deadline:
+                        break
+                    await asyncio.sleep(0.5)
+            if reply.status_code != 200:
+                raise SystemExit(f"call {len(usages)}: {reply.status_code} {reply.text[:300]}")
+            message = reply.json()
+            usages.append(message["usage"])
+            text = "".join(b.get("text", "") for b in message["content"] if b.get("type") == "text")
+            messages.extend([{"role": "assistant", "content": text or "ok"},
+                             {"role": "user", "content": f"Go on ({len(usages)})."}])
+
+        await call()
+        await append(KvMigrationOrdered(execution_id=execution_id, from_cell=source, to_cell=target,
+                                        policy="elastic", reason="test"), stream_id_for("cell", source))
+        moved = await wait(lambda evs: next((e.data for e in evs if isinstance(e.data, KvMigrated)
+                                             and e.data.execution_id == execution_id), None), "kv.migrated", 300)
+        await call()
+        calls = sorted((e.data for e in await events() if isinstance(e.data, CallCompleted)
+                        and e.data.execution_id == execution_id), key=lambda c: c.call_index)
+        return {"migrated": moved.model_dump(mode="json"), "cells": [c.cell_id for c in calls],
+                "cache_read": usages[-1].get("cache_read_input_tokens", 0)}
+    finally:
+        await store.close()
+
+
+if __name__ == "__main__":
+    print(json.dumps(asyncio.run(main(sys.argv[1], sys.argv[2]))))
