@@ -125,6 +125,7 @@ class SchedulerService(Service):
         self._policies: dict[int, Policy] = {}
         self._announced_done = False
         self._last_error = ""
+        self._never_fits = ""  # the query last said to need more sessions than the cells can hold
         self._waiting_for: tuple[int, int] | None = None  # (dispatch, trainer) versions last logged as holding dispatch
         self._stuck_logged: set[tuple[str, int]] = set()
         self.log = self.log.bind(mode=self.settings.mode)
@@ -149,6 +150,7 @@ class SchedulerService(Service):
             "done": self.view.done,
             # Folded from kv.migrated: what moving KV saved, and the moves that tried it and recomputed.
             "kv": {"prefill_tokens_avoided": self.view.prefill_tokens_avoided, "fallbacks": self.view.kv_fallbacks},
+            "never_fits": self._never_fits,  # a query waiting for more sessions than the cells can hold ("": none)
         }
 
     async def _nudge(self, event: Event) -> None:
@@ -219,6 +221,7 @@ class SchedulerService(Service):
             return []
         snapshot = self.view.snapshot(self.view.seconds_at(utcnow()))
         self._log_weight_wait(snapshot.now_s)
+        self._log_never_fits(snapshot)
         try:
             policy = self.policy(snapshot.budget_cells)
             actions = policy.decide(snapshot)
@@ -233,6 +236,24 @@ class SchedulerService(Service):
         if emitted:
             await self.catch_up()
         return emitted
+
+    def _log_never_fits(self, snapshot: Snapshot) -> None:
+        """Say once per query when the next query needs more sessions than the mode's rollout cells could ever
+        admit together, at the KV their engines report (the fill, one reserve a session): it would wait for ever.
+        The run config refuses such KV before a run starts; settings given some other way reach here."""
+        engines = [c.engine_kv for c in self.view.cells.values() if c.engine_kv]
+        if not snapshot.queued or not engines or snapshot.queued[0].query_id == self._never_fits:
+            return
+        pool = snapshot.budget_cells
+        if self.settings.mode == "async":
+            pool = self.sched.rollout_cells or max(1, pool // 2)
+        per_cell = int(max(engines) * self.sched.fill) // self.sched.session_reserve_tokens
+        head = snapshot.queued[0]
+        if head.group_size > pool * per_cell:
+            self._never_fits = head.query_id
+            self.log.error("query_never_fits", query_id=head.query_id, group_size=head.group_size,
+                           rollout_cells=pool, sessions_per_cell=per_cell, kv_tokens_per_cell=max(engines),
+                           session_reserve_tokens=self.sched.session_reserve_tokens, fill=self.sched.fill)
 
     def _log_weight_wait(self, now_s: float) -> None:
         """Say once per pair of versions when queries wait for a rollout worker to load newer weights, and once

@@ -15,6 +15,7 @@ from shared.events import (
     ExecutionFinished,
     KvMigrated,
     StepCompleted,
+    WeightsLoaded,
     execution_id_for,
     new_event,
 )
@@ -264,3 +265,42 @@ async def test_elastic_orders_session_moves_live_once_each_and_the_fold_waits_fo
     assert all(e.data.policy == "elastic" and e.stream_id == "cell-n1-cell0" for e in ordered)
     by_id = {e.execution_id: e for e in live}
     assert all(by_id[m[0]].migrating and by_id[m[0]].cell_id == m[2] for m in moves)
+
+
+async def test_a_query_no_rollout_cell_can_hold_is_named_once(store, bus, infra):
+    """Engines whose KV admits one session each: async's one rollout cell can never start a query of two. The run
+    config refuses such KV before a run starts; a run configured another way gets the query named (health, log)
+    instead of waiting in silence."""
+    run_id = unique("run-")
+    svc = scheduler(infra, store, bus, run_id, "async", total_steps=1)
+    await register(store, run_id, "n1-cell0", "n1-cell1")
+    await svc.start()
+    try:
+        await wait_until(store, run_id, "cell.assigned", 2)
+        await ticks(svc)
+        assert svc.health()["never_fits"] == ""  # no engine has said what it holds yet
+        await append(store, run_id, WeightsLoaded(cell_id="n1-cell0", worker_id="n1-cell0", version=0,
+                                                  kv_capacity_tokens=9216), "cell-n1-cell0")
+        await ready(store, run_id, {"n1-cell0": "rollout", "n1-cell1": "train"})
+        await ticks(svc)
+        assert svc.health()["never_fits"] == f"{run_id}-step0-q0"
+        assert await events_of(store, run_id, "query.dispatched") == []
+    finally:
+        await svc.stop()
+
+
+async def test_engines_that_hold_a_query_are_not_named(store, bus, infra):
+    run_id = unique("run-")
+    svc = scheduler(infra, store, bus, run_id, "async", total_steps=1)
+    await register(store, run_id, "n1-cell0", "n1-cell1")
+    await svc.start()
+    try:
+        await wait_until(store, run_id, "cell.assigned", 2)
+        await append(store, run_id, WeightsLoaded(cell_id="n1-cell0", worker_id="n1-cell0", version=0,
+                                                  kv_capacity_tokens=18432), "cell-n1-cell0")
+        await ready(store, run_id, {"n1-cell0": "rollout", "n1-cell1": "train"})
+        await wait_until(store, run_id, "query.dispatched", 1)
+        await ticks(svc)
+        assert svc.health()["never_fits"] == ""
+    finally:
+        await svc.stop()
