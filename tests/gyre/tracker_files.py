@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +43,19 @@ def wandb_records(path: Path) -> list[bytes]:
     return records
 
 
-def wandb_run(run_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The history rows (one per logged step, `_step` included) and the config of the offline W&B run."""
+def wandb_run(run_dir: Path, *, wait_s: float = 60.0) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The history rows (one per logged step, `_step` included) and the config of the offline W&B run. W&B's
+    own process writes the file; once, in a loaded full suite, a read right after `finish()` found no rows
+    (likely written late; not confirmed), so an empty history is read again until `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        rows, config = _wandb_file(run_dir)
+        if rows or time.monotonic() > deadline:
+            return rows, config
+        time.sleep(0.5)
+
+
+def _wandb_file(run_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     from wandb.proto import wandb_internal_pb2
 
     (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
