@@ -131,19 +131,26 @@ def prepare(
 
 def _share(here: Path) -> None:
     """Store the prepared run in the Object Store for nodes without this folder (once: a stored run is kept)."""
-    from gyre.deploy_share import publish_run, stored_run
-
     import nats.errors
 
+    from gyre.deploy_share import publish_run, same_run, stored_settings
+    from shared.objects import ObjectStoreError
+
     settings = load_settings()
+    run_env = (here / RUN_ENV).read_text()
     deadline = time.monotonic() + 300
     while True:  # a cluster that is still electing its leaders times requests out for a while
         try:
-            if asyncio.run(stored_run(settings)):
-                return
-            stored = asyncio.run(publish_run(settings, here, (here / RUN_ENV).read_text()))
+            stored_env = asyncio.run(stored_settings(settings))
+            if stored_env is not None:
+                if same_run(stored_env, here, run_env):
+                    return
+                raise _fail(f"the Object Store holds a run {settings.run_id} prepared otherwise (another model, "
+                            f"tasks or token secret): use another GYRE_RUN_ID, or remove runs/{settings.run_id}/ "
+                            f"from the checkpoint bucket")
+            stored = asyncio.run(publish_run(settings, here, run_env))
             break
-        except nats.errors.Error as exc:
+        except (nats.errors.Error, ObjectStoreError) as exc:
             if time.monotonic() > deadline:
                 raise _fail(f"the Object Store did not take the run: {type(exc).__name__}: {exc}") from None
             time.sleep(2.0)

@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.bus import Bus
+from shared.objects import ObjectStoreError
 from shared.settings import Settings
 
 ShareMode = Literal["folder", "object"]
@@ -65,13 +66,53 @@ async def _connect(settings: Settings) -> Bus:
                              name="gyre-deploy")
 
 
-async def stored_run(settings: Settings) -> bool:
-    """Whether the run is stored whole (its settings, written last, are)."""
+def _to_placeholder(run_env: str, here: Path) -> str:
+    """The settings with every path in the run folder written from the placeholder (a value that is the folder
+    or lies inside it; a sibling sharing its prefix is left alone)."""
+    lines = []
+    for line in run_env.splitlines():
+        key, sep, value = line.partition("=")
+        if sep and (value == str(here) or value.startswith(f"{here}/")):
+            line = f"{key}={PLACEHOLDER}{value.removeprefix(str(here))}"
+        lines.append(line)
+    return "".join(f"{line}\n" for line in lines)
+
+
+def _from_placeholder(stored: str, here: Path) -> str:
+    lines = []
+    for line in stored.splitlines():
+        key, sep, value = line.partition("=")
+        if sep and value.startswith(PLACEHOLDER):
+            line = f"{key}={here}{value.removeprefix(PLACEHOLDER)}"
+        lines.append(line)
+    return "".join(f"{line}\n" for line in lines)
+
+
+def _write(target: Path, data: bytes, mode: int = 0o644) -> None:
+    """Write a file whole under its name (a temporary name first), so that another process on the node fetching
+    the same run, or a service already reading it, never sees it half written."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.{os.getpid()}.part")
+    partial.touch(mode=mode)
+    partial.write_bytes(data)
+    os.replace(partial, target)
+
+
+async def stored_settings(settings: Settings) -> str | None:
+    """The run's stored settings (with the placeholder), or None while the run is not stored whole."""
     bus = await _connect(settings)
+    name = _prefix(settings.run_id) + "run.env"
     try:
-        return _prefix(settings.run_id) + "run.env" in await bus.checkpoints.list_names(_prefix(settings.run_id))
+        if name not in await bus.checkpoints.list_names(_prefix(settings.run_id)):
+            return None
+        return (await bus.checkpoints.get_object(name)).decode()
     finally:
         await bus.close()
+
+
+def same_run(stored: str, here: Path, run_env: str) -> bool:
+    """Whether the stored settings are this folder's (the same model, tasks, token secret)."""
+    return stored == _to_placeholder(run_env, here)
 
 
 async def publish_run(settings: Settings, here: Path, run_env: str) -> int:
@@ -88,7 +129,7 @@ async def publish_run(settings: Settings, here: Path, run_env: str) -> int:
             data = path.read_bytes()
             await bus.checkpoints.put_object(data, name=_prefix(settings.run_id) + str(path.relative_to(here)))
             stored += len(data)
-        env = run_env.replace(str(here), PLACEHOLDER).encode()
+        env = _to_placeholder(run_env, here).encode()
         await bus.checkpoints.put_object(env, name=_prefix(settings.run_id) + "run.env")
         return stored + len(env)
     finally:
@@ -97,14 +138,17 @@ async def publish_run(settings: Settings, here: Path, run_env: str) -> int:
 
 async def fetch_run(settings: Settings, here: Path, run_env_name: str, deadline: float) -> bool:
     """Fetch a run stored by `publish_run` into this node's run folder (`here`), waiting until `deadline`
-    (monotonic) for it to be stored; True once `here` holds it, False when it never was."""
+    (monotonic) for it to be stored; True once `here` holds it (fetched here, or by another process of the
+    node meanwhile), False when it never was stored."""
     bus = await _connect(settings)
     prefix = _prefix(settings.run_id)
     try:
         while True:
+            if (here / run_env_name).is_file():
+                return True
             try:
                 names = await bus.checkpoints.list_names(prefix)
-            except nats.errors.Error as exc:  # a cluster still electing its leaders (JetStream's errors too)
+            except (nats.errors.Error, ObjectStoreError) as exc:  # a cluster still electing its leaders
                 names = []
                 if time.monotonic() > deadline:
                     raise ShareError(f"the Object Store did not answer: {type(exc).__name__}: {exc}") from exc
@@ -115,19 +159,15 @@ async def fetch_run(settings: Settings, here: Path, run_env_name: str, deadline:
             await asyncio.sleep(1.0)
         for name in names:
             relative = name.removeprefix(prefix)
-            if relative == "run.env" or ".." in Path(relative).parts:
-                continue
-            target = here / relative
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(await bus.checkpoints.get_object(name))
-        env = (await bus.checkpoints.get_object(prefix + "run.env")).decode().replace(PLACEHOLDER, str(here))
-        partial = here / (run_env_name + ".partial")
-        partial.touch(mode=0o600)  # it holds the token secret
-        partial.write_text(env)
-        partial.rename(here / run_env_name)  # last: a node whose fetch was cut short fetches again
+            if relative != "run.env" and ".." not in Path(relative).parts:
+                _write(here / relative, await bus.checkpoints.get_object(name))
+        stored = (await bus.checkpoints.get_object(prefix + "run.env")).decode()
+        # Last, and readable by its owner only (it holds the token secret): a fetch cut short fetches again.
+        _write(here / run_env_name, _from_placeholder(stored, here).encode(), mode=0o600)
         return True
     finally:
         await bus.close()
 
 
-__all__ = ["PLACEHOLDER", "DeployOptions", "ShareError", "ShareMode", "fetch_run", "publish_run", "share_mode", "stored_run"]
+__all__ = ["PLACEHOLDER", "DeployOptions", "ShareError", "ShareMode", "fetch_run", "publish_run", "same_run",
+           "share_mode", "stored_settings"]

@@ -286,13 +286,15 @@ class ObjectStore:
             raise ObjectDigestMismatch(name, f"{size} B", f"{received} B{' or more' if overflow else ''}")
         return bytes(data), "sha256:" + h.hexdigest()
 
-    async def list_names(self, prefix: str = "") -> list[str]:
+    async def list_names(self, prefix: str = "", *, timeout_s: float = 60.0) -> list[str]:
         """The names of the objects stored (not deleted) whose name starts with `prefix`."""
         store = await self._objects()
         try:
-            infos = await store.list(ignore_deletes=True)
+            infos = await asyncio.wait_for(store.list(ignore_deletes=True), timeout_s)
         except nats.js.errors.NotFoundError:  # an empty bucket
             return []
+        except TimeoutError as exc:
+            raise ObjectStoreError(f"bucket {self.bucket}: the listing did not finish in {timeout_s:g} s") from exc
         return sorted(i.name for i in infos if i.name.startswith(prefix) and not i.deleted)
 
     async def purge_chunks(self, chunks: str) -> None:

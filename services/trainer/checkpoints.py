@@ -48,6 +48,7 @@ CHECKPOINT_PREFIX = "step-"
 STATE_FILE = "trainer_state.json"
 TRANSFER_TIMEOUT_S = 1800.0  # one checkpoint's upload or download, from the torch thread's side
 _STEP = re.compile(rf"^{CHECKPOINT_PREFIX}(\d{{8}})$")
+_NAME = re.compile(r"^[A-Za-z0-9._-]+$")  # object names are read back as given (no ':' the store rewrites)
 T = TypeVar("T")
 
 
@@ -111,6 +112,9 @@ class CheckpointStore(Protocol):
     def fetch(self, step: int) -> Path:
         """A folder on this node holding the whole checkpoint of a step, its state file included."""
 
+    def release(self) -> None:
+        """The fetched checkpoint is loaded: a copy `fetch` made may go."""
+
 
 def open_checkpoints(root: str | Path, objects: ObjectStore | None = None, *, local: Path | None = None,
                      loop: asyncio.AbstractEventLoop | None = None) -> CheckpointStore:
@@ -165,23 +169,38 @@ class FolderCheckpoints:
     def fetch(self, step: int) -> Path:
         return checkpoint_dir(self.root, step)
 
+    def release(self) -> None:
+        pass  # read in place
+
 
 class ObjectCheckpoints:
     """Checkpoints in the Object Store under `<name>/step-N/<file>`, staged and fetched through `local` (a folder
     of this process's own: ranks on one node must not share it, or one would upload the other's files)."""
 
     def __init__(self, objects: ObjectStore, name: str, *, local: Path, loop: asyncio.AbstractEventLoop) -> None:
-        if not name or "/" in name:
-            raise CheckpointError(f"checkpoint name {name!r}: expected a run id, with no '/'")
+        if not _NAME.match(name):
+            raise CheckpointError(f"checkpoint name {name!r}: expected a run id of letters, digits, '.', '_', '-'")
         self.objects, self.name, self.local, self.loop = objects, name, Path(local), loop
 
     def _key(self, step: int, file: str) -> str:
         return f"{self.name}/{step_name(step)}/{file}"
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run a transfer in the bus's loop from the torch thread (never from the loop itself: it would wait on
-        itself)."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(TRANSFER_TIMEOUT_S)
+        """Run one transfer in the bus's loop from the torch thread and wait for it. A transfer that fails or
+        times out is cancelled there, so a late one cannot overwrite or delete what a later save stored."""
+        try:
+            if asyncio.get_running_loop() is self.loop:
+                coro.close()
+                raise CheckpointError("a checkpoint transfer was started from the bus's own loop: it would wait "
+                                      "on itself")
+        except RuntimeError:  # no loop in this thread: the torch thread, as it should be
+            pass
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(TRANSFER_TIMEOUT_S)
+        except BaseException:
+            future.cancel()
+            raise
 
     def _objects_of(self, names: list[str]) -> dict[int, list[str]]:
         steps: dict[int, list[str]] = {}
@@ -207,11 +226,10 @@ class ObjectCheckpoints:
         return folder
 
     def stage_done(self, step: int, folder: Path) -> None:
-        async def upload() -> None:
-            for path in sorted(folder.iterdir()):
-                await self.objects.put_object(path.read_bytes(), name=self._key(step, path.name))
-
-        self._run(upload())
+        # A file at a time, read here (the torch thread), so the bus's loop only moves bytes and holds one file.
+        for path in sorted(folder.iterdir()):
+            self._run(self.objects.put_object(path.read_bytes(), name=self._key(step, path.name)))
+        shutil.rmtree(folder, ignore_errors=True)  # stored: the node keeps no copy
 
     def commit(self, step: int, state: dict[str, Any]) -> None:
         data = json.dumps(state, sort_keys=True).encode()
@@ -235,15 +253,15 @@ class ObjectCheckpoints:
         if STATE_FILE not in files:
             raise CheckpointError(f"{self.name}/{step_name(step)} is not a complete checkpoint in the Object Store")
         folder = self.local / "fetched" / step_name(step)
-        shutil.rmtree(self.local / "fetched", ignore_errors=True)  # the one fetched before: loaded already
+        self.release()  # the one fetched before: loaded already
         folder.mkdir(parents=True)
-
-        async def download() -> None:
-            for file in files:
-                (folder / file).write_bytes(await self.objects.get_object(self._key(step, file)))
-
-        self._run(download())
+        for file in files:  # written here (the torch thread), as `stage_done` reads
+            (folder / file).write_bytes(self._run(self.objects.get_object(self._key(step, file))))
         return folder
+
+    def release(self) -> None:
+        """Remove the copy `fetch` made, once it is loaded."""
+        shutil.rmtree(self.local / "fetched", ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------------------

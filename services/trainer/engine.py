@@ -183,7 +183,7 @@ class Trainer:
         if checkpoints is not None:
             saved = FolderCheckpoints(checkpoints) if isinstance(checkpoints, Path) else checkpoints
             if done := saved.complete():
-                _, load_s = timed(lambda: trainer.resume(saved.fetch(done[-1])))
+                _, load_s = timed(trainer.resume_from, saved, done[-1])
         return trainer, ReformTiming(group_s=group_s, build_s=build_s, load_s=load_s)
 
     @classmethod
@@ -379,6 +379,13 @@ class Trainer:
         store = FolderCheckpoints(checkpoints) if isinstance(checkpoints, Path) else checkpoints
         state = {**self.trainer_state(), **(extra or {})}
         return save_checkpoint(store, self.step_count, self.model, self.optimizer, state, keep=keep)
+
+    def resume_from(self, checkpoints: CheckpointStore, step: int) -> dict[str, Any]:
+        """Resume from a step of a checkpoint store, fetched to this node first where the store is remote."""
+        try:
+            return self.resume(checkpoints.fetch(step))
+        finally:
+            checkpoints.release()
 
     def resume(self, path: Path) -> dict[str, Any]:
         state = load_checkpoint(path, self.model, self.optimizer)

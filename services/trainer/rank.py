@@ -8,6 +8,7 @@ the coordinator's `ping` tells a busy rank from a dead one, whose subjects have 
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import time
 import uuid
@@ -76,13 +77,15 @@ class RankService(Service):
         self._subscriptions: list[Any] = []
         self.warm_s = 0.0
         self.loop: asyncio.AbstractEventLoop | None = None  # the bus's, where the torch thread's transfers run
-        # This process's own folder for checkpoints staged before an upload and fetched before a load.
+        # This process's folder for checkpoints staged before an upload and fetched before a load: its cell and
+        # pid, so that a later rank on the cell clears what a killed one left (`_clear_dead_ranks_folders`).
         self.checkpoint_local = Path(self.settings.state_dir) / "trainer" / self.settings.run_id / "ranks" / \
-            self.rank_id
+            f"{self.cell_id}-{os.getpid()}"
 
     async def setup(self) -> None:
         assert self.bus is not None
         self.loop = asyncio.get_running_loop()
+        _clear_dead_ranks_folders(self.checkpoint_local.parent, self.cell_id)
         started = time.perf_counter()
         await self._on_torch("warm", self.work.warm)
         self.warm_s = time.perf_counter() - started
@@ -192,6 +195,20 @@ class RankService(Service):
                 self.busy = None
 
         return await asyncio.get_running_loop().run_in_executor(self._torch, run)
+
+
+def _clear_dead_ranks_folders(parent: Path, cell_id: str) -> None:
+    """Remove the checkpoint folders that this cell's earlier rank processes left when they were killed."""
+    for folder in parent.glob(f"{cell_id}-*") if parent.is_dir() else []:
+        pid = folder.name.removeprefix(f"{cell_id}-")
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            pass
 
 
 async def store_publication(blobs: Blobs, published: PublishedShards, local: LocalShards | None = None) -> BlobRef:

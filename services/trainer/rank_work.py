@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from services.trainer.checkpoints import CheckpointStore, open_checkpoints
 from services.trainer.distributed import GroupSpec, balance_micro_batches, group_store, leave_group, timed
@@ -98,13 +99,17 @@ class RankWork:
             self.model_dir, spec, trainer_config(request.trainer), store=store, template=self.template
         )
         saved = self.checkpoints(request.checkpoint_root)
-        done = saved.complete()
+        # Rank 0 picks the step every member loads: members listing the store each would disagree on a step
+        # being committed or pruned at that moment, and load different ones (or some save while others load).
+        newest = [saved.complete()[-1:] if trainer.rank == 0 else None]
+        dist.broadcast_object_list(newest, src=0)
+        done: list[int] = newest[0] or []
         if not done:
             # The model alone (an optimiser that has not stepped is saved as such: the first step is Adam's first).
             state, load_s = timed(trainer.save, saved, request.keep_checkpoints,
                                   {"last_step": request.first_step - 1})
         else:
-            state, load_s = timed(lambda: trainer.resume(saved.fetch(done[-1])))
+            state, load_s = timed(trainer.resume_from, saved, done[-1])
         self.trainer, self.form_request, self.intact = trainer, request, True
         return FormReply(
             rank_id=request.rank_id,

@@ -130,8 +130,26 @@ def test_an_object_root_without_a_bus_and_a_bad_run_name_are_refused(tmp_path: P
     with pytest.raises(CheckpointError, match="has no bus"):
         open_checkpoints("object:run-1")
     assert isinstance(open_checkpoints(str(tmp_path)), FolderCheckpoints)
-    with pytest.raises(CheckpointError, match="no '/'"):
+    with pytest.raises(CheckpointError, match="expected a run id of letters"):
         ObjectCheckpoints(None, "a/b", local=tmp_path, loop=asyncio.new_event_loop())  # type: ignore[arg-type]
+    with pytest.raises(CheckpointError, match="expected a run id of letters"):
+        ObjectCheckpoints(None, "run:1", local=tmp_path, loop=asyncio.new_event_loop())  # type: ignore[arg-type]
+
+
+async def test_a_transfer_asked_for_on_the_buss_own_loop_is_refused_not_deadlocked(bus: Bus, tmp_path: Path) -> None:
+    store = open_checkpoints("object:run-1", bus.checkpoints, local=tmp_path, loop=asyncio.get_running_loop())
+    with pytest.raises(CheckpointError, match="wait on itself"):
+        store.complete()  # on the loop's thread, where a rank never calls it
+
+
+async def test_the_object_store_leaves_no_copy_on_the_node_once_stored_or_loaded(bus: Bus, tmp_path: Path) -> None:
+    store = open_checkpoints("object:run-1", bus.checkpoints, local=tmp_path / "rank", loop=asyncio.get_running_loop())
+    await asyncio.to_thread(save, store, 1, {"__0_0.distcp": b"x" * 100}, {"step": 1})
+    assert not (tmp_path / "rank" / "staging" / "step-00000001").exists()
+    fetched = await asyncio.to_thread(store.fetch, 1)
+    assert (fetched / "__0_0.distcp").read_bytes() == b"x" * 100
+    store.release()
+    assert not fetched.exists()
 
 
 async def test_a_trainer_checkpoints_to_the_object_store_and_another_resumes_from_it(bus: Bus, tmp_path: Path
