@@ -33,7 +33,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from gyre.config import ConfigError, dump, environment, load_config, parse_sets
-from gyre.deploy_share import ShareError, share_mode
+from gyre.deploy_share import ShareError, ShareMode, share_mode
 from gyre.processes import service_processes
 from gyre.run_plan import plan_run
 from shared.events import Event
@@ -74,10 +74,7 @@ def prepare(
 ) -> None:
     """Plan the run, provide its model and warm start, and write its settings (once: a prepared run is kept)."""
     here = run_dir()
-    try:
-        mode = share_mode()
-    except ShareError as exc:
-        raise _fail(str(exc)) from None
+    mode = _share_mode()
     if (here / RUN_ENV).is_file():
         console.print(f"run {here.name} is prepared ({here / RUN_ENV}): its services resume it")
         if mode == "object":
@@ -129,6 +126,13 @@ def prepare(
         _share(here)
 
 
+def _share_mode() -> ShareMode:
+    try:
+        return share_mode()
+    except ShareError as exc:
+        raise _fail(str(exc)) from None
+
+
 def _share(here: Path) -> None:
     """Store the prepared run in the Object Store for nodes without this folder (once: a stored run is kept)."""
     import nats.errors
@@ -161,10 +165,7 @@ def _await_prepared(here: Path, wait_s: float, needs: str = RUN_ENV) -> None:
     """Wait for the prepared run's `needs` file in this node's run folder; with GYRE_DEPLOY_SHARE=object, fetch
     the run from the Object Store into it when it is not there."""
     deadline = time.monotonic() + wait_s
-    try:
-        mode = share_mode()
-    except ShareError as exc:
-        raise _fail(str(exc)) from None
+    mode = _share_mode()
     if (here / needs).is_file() and (here / RUN_ENV).is_file():
         return
     console.print(f"waiting for the run to be prepared ({here / needs}"

@@ -26,7 +26,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Coroutine, Iterator
+from collections.abc import Coroutine, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -128,6 +128,20 @@ def open_checkpoints(root: str | Path, objects: ObjectStore | None = None, *, lo
     return ObjectCheckpoints(objects, text.removeprefix(OBJECT_SCHEME), local=local, loop=loop)
 
 
+def _pruned(steps: Iterable[int], complete: list[int], keep: int) -> list[int]:
+    """The steps older than the newest `keep` complete checkpoints, complete or not (none with `keep` 0: every
+    checkpoint is kept)."""
+    if keep <= 0 or not complete:
+        return []
+    oldest_kept = sorted(complete)[-keep:][0]
+    return sorted(step for step in steps if step < oldest_kept)
+
+
+def as_store(checkpoints: CheckpointStore | Path) -> CheckpointStore:
+    """A store as given, or a folder's."""
+    return FolderCheckpoints(checkpoints) if isinstance(checkpoints, Path) else checkpoints
+
+
 class FolderCheckpoints:
     """Checkpoints in a folder every rank sees."""
 
@@ -158,13 +172,9 @@ class FolderCheckpoints:
         return [int(p.name.removeprefix(CHECKPOINT_PREFIX)) for p in self._steps() if (p / STATE_FILE).is_file()]
 
     def prune(self, keep: int) -> None:
-        done = self.complete()
-        if keep <= 0 or not done:
-            return
-        oldest_kept = done[-keep:][0]
-        for path in self._steps():
-            if int(path.name.removeprefix(CHECKPOINT_PREFIX)) < oldest_kept:
-                shutil.rmtree(path, ignore_errors=True)
+        steps = [int(p.name.removeprefix(CHECKPOINT_PREFIX)) for p in self._steps()]
+        for step in _pruned(steps, self.complete(), keep):
+            shutil.rmtree(checkpoint_dir(self.root, step), ignore_errors=True)
 
     def fetch(self, step: int) -> Path:
         return checkpoint_dir(self.root, step)
@@ -213,11 +223,13 @@ class ObjectCheckpoints:
     def _listing(self) -> dict[int, list[str]]:
         return self._objects_of(self._run(self.objects.list_names(f"{self.name}/")))
 
-    def begin(self, step: int) -> None:
-        files = self._listing().get(step, [])
+    def _delete(self, step: int, files: list[str]) -> None:
         # The state file first: a step whose removal is cut short is an incomplete one, never a broken complete one.
         for file in sorted(files, key=lambda f: f != STATE_FILE):
             self._run(self.objects.delete_object(self._key(step, file)))
+
+    def begin(self, step: int) -> None:
+        self._delete(step, self._listing().get(step, []))
 
     def staging(self, step: int) -> Path:
         folder = self.local / "staging" / step_name(step)
@@ -240,13 +252,8 @@ class ObjectCheckpoints:
 
     def prune(self, keep: int) -> None:
         listing = self._listing()
-        done = sorted(step for step, files in listing.items() if STATE_FILE in files)
-        if keep <= 0 or not done:
-            return
-        oldest_kept = done[-keep:][0]
-        for step in sorted(s for s in listing if s < oldest_kept):
-            for file in sorted(listing[step], key=lambda f: f != STATE_FILE):
-                self._run(self.objects.delete_object(self._key(step, file)))
+        for step in _pruned(listing, [s for s, files in listing.items() if STATE_FILE in files], keep):
+            self._delete(step, listing[step])
 
     def fetch(self, step: int) -> Path:
         files = self._listing().get(step, [])
@@ -321,6 +328,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
 
 __all__ = [
     "CHECKPOINT_PREFIX", "OBJECT_SCHEME", "STATE_FILE", "CheckpointError", "CheckpointStore", "FolderCheckpoints",
+    "as_store",
     "ObjectCheckpoints", "checkpoint_dir", "latest_checkpoint", "load_checkpoint", "open_checkpoints",
     "read_trainer_state", "save_checkpoint", "step_name",
 ]

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from services.trainer.checkpoints import CheckpointStore, FolderCheckpoints, load_checkpoint, save_checkpoint
+from services.trainer.checkpoints import CheckpointStore, as_store, load_checkpoint, save_checkpoint
 from services.trainer.distributed import (
     GroupSpec,
     Precision,
@@ -181,7 +181,7 @@ class Trainer:
         trainer, build_s = timed(cls.build, model_dir, mesh, config, template)
         load_s = 0.0
         if checkpoints is not None:
-            saved = FolderCheckpoints(checkpoints) if isinstance(checkpoints, Path) else checkpoints
+            saved = as_store(checkpoints)
             if done := saved.complete():
                 _, load_s = timed(trainer.resume_from, saved, done[-1])
         return trainer, ReformTiming(group_s=group_s, build_s=build_s, load_s=load_s)
@@ -376,7 +376,7 @@ class Trainer:
     def save(self, checkpoints: CheckpointStore | Path, keep: int = 2, extra: dict[str, Any] | None = None
              ) -> dict[str, Any]:
         """Checkpoint this step (a collective); returns the state file's contents."""
-        store = FolderCheckpoints(checkpoints) if isinstance(checkpoints, Path) else checkpoints
+        store = as_store(checkpoints)
         state = {**self.trainer_state(), **(extra or {})}
         return save_checkpoint(store, self.step_count, self.model, self.optimizer, state, keep=keep)
 
