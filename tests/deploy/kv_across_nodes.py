@@ -13,8 +13,6 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-import httpx
-
 from shared.events import (
     CallCompleted,
     ExecutionStarted,
@@ -28,8 +26,7 @@ from shared.events import (
 )
 from shared.execution_tokens import derive_execution_token
 from shared.store import EventStore
-
-PROMPT = "Remember these: " + " ".join(f"word{i % 89}" for i in range(400)) + ". Go."
+from tests.e2e.agent import Agent
 
 
 async def main(source: str, target: str) -> dict[str, Any]:
@@ -62,38 +59,18 @@ async def main(source: str, target: str) -> dict[str, Any]:
                                       sample_index=0, seed=7, call_budget=100, cell_id=source),
                      stream_id_for("execution", execution_id))
         token = derive_execution_token(os.environ["GYRE_ROLLOUT_TOKEN_SECRET"].encode(), execution_id)
-        url = f"http://127.0.0.1:{os.environ['GYRE_ROLLOUT_PORT']}/v1/messages"
-        messages: list[dict[str, Any]] = [{"role": "user", "content": PROMPT}]
-        usages: list[dict[str, Any]] = []
-
-        async def call() -> None:
-            body = {"model": os.environ.get("GYRE_ROLLOUT_MODEL_NAME", "gyre-tiny"), "max_tokens": 24,
-                    "messages": messages, "temperature": 1.0}
-            deadline = time.monotonic() + 60  # 401 until the gateway has taken the execution up
-            async with httpx.AsyncClient(timeout=300.0) as http:
-                while (reply := await http.post(url, json=body, headers={
-                        "x-api-key": token, "anthropic-version": "2023-06-01"})).status_code == 401:
-                    if time.monotonic() > deadline:
-                        break
-                    await asyncio.sleep(0.5)
-            if reply.status_code != 200:
-                raise SystemExit(f"call {len(usages)}: {reply.status_code} {reply.text[:300]}")
-            message = reply.json()
-            usages.append(message["usage"])
-            text = "".join(b.get("text", "") for b in message["content"] if b.get("type") == "text")
-            messages.extend([{"role": "assistant", "content": text or "ok"},
-                             {"role": "user", "content": f"Go on ({len(usages)})."}])
-
-        await call()
+        agent = Agent(f"http://127.0.0.1:{os.environ['GYRE_ROLLOUT_PORT']}", token,
+                      os.environ.get("GYRE_ROLLOUT_MODEL_NAME", "gyre-tiny"))
+        await agent.call_when_taken_up()
         await append(KvMigrationOrdered(execution_id=execution_id, from_cell=source, to_cell=target,
                                         policy="elastic", reason="test"), stream_id_for("cell", source))
         moved = await wait(lambda evs: next((e.data for e in evs if isinstance(e.data, KvMigrated)
                                              and e.data.execution_id == execution_id), None), "kv.migrated", 300)
-        await call()
+        await agent.call()
         calls = sorted((e.data for e in await events() if isinstance(e.data, CallCompleted)
                         and e.data.execution_id == execution_id), key=lambda c: c.call_index)
         return {"migrated": moved.model_dump(mode="json"), "cells": [c.cell_id for c in calls],
-                "cache_read": usages[-1].get("cache_read_input_tokens", 0)}
+                "cache_read": agent.usages[-1].get("cache_read_input_tokens", 0)}
     finally:
         await store.close()
 

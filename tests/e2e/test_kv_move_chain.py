@@ -18,7 +18,6 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-import httpx
 import pytest
 
 from gyre.processes import Proc, start_all, stop_all
@@ -36,13 +35,13 @@ from shared.events import (
     stream_id_for,
 )
 from shared.execution_tokens import derive_execution_token
+from tests.e2e.agent import Agent
 from tests.e2e.helpers import loop_test_environment
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 pytest.importorskip("vllm", reason="the move needs vLLM workers (install the cpu or gpu extra)")
 
 CELLS = ("kv-cell0", "kv-cell1")
-WORDS = " ".join(f"word{i % 89}" for i in range(400))  # a first prompt of several KV blocks
 
 
 def _event(data: Any, run_id: str, stream: str) -> Any:
@@ -63,27 +62,6 @@ async def _wait(store: Any, run_id: str, found: Any, what: str, procs: list[Proc
         assert not dead, f"processes exited while waiting for {what}: {dead}"
         await asyncio.sleep(0.5)
     raise AssertionError(f"timed out waiting for {what}")
-
-
-class Agent:
-    """One execution's agent: a growing conversation through the gateway's Messages API."""
-
-    def __init__(self, url: str, token: str) -> None:
-        self.url, self.token = url, token
-        self.messages: list[dict[str, Any]] = [{"role": "user", "content": f"Remember these: {WORDS}. Go."}]
-        self.usages: list[dict[str, Any]] = []
-
-    async def call(self) -> None:
-        body = {"model": "gyre-tiny", "max_tokens": 24, "messages": self.messages, "temperature": 1.0}
-        headers = {"x-api-key": self.token, "anthropic-version": "2023-06-01"}
-        async with httpx.AsyncClient(timeout=300.0) as http:
-            reply = await http.post(f"{self.url}/v1/messages", json=body, headers=headers)
-        assert reply.status_code == 200, reply.text[:500]
-        message = reply.json()
-        self.usages.append(message["usage"])
-        text = "".join(b.get("text", "") for b in message["content"] if b.get("type") == "text")
-        self.messages += [{"role": "assistant", "content": text or "ok"},
-                          {"role": "user", "content": f"Go on ({len(self.usages)})."}]
 
 
 async def test_an_ordered_move_carries_the_kv_between_worker_processes_and_a_dead_worker_loses_nothing(
@@ -119,10 +97,10 @@ async def test_an_ordered_move_carries_the_kv_between_worker_processes_and_a_dea
         # The unmoved run first, alone on cell 0: three calls.
         still = await start("q-still")
         for _ in range(3):
-            await _call_when_taken_up(still)
+            await still.call_when_taken_up()
         # The same seed again; after its first call the scheduler orders it to cell 1.
         moved = await start("q-moved")
-        await _call_when_taken_up(moved)
+        await moved.call_when_taken_up()
         moved_id = execution_id_for("q-moved", 0)
         order = KvMigrationOrdered(execution_id=moved_id, from_cell=CELLS[0], to_cell=CELLS[1], policy="elastic",
                                    reason="test")
@@ -185,20 +163,6 @@ async def test_an_ordered_move_carries_the_kv_between_worker_processes_and_a_dea
                 assert a.tolist() == b.tolist(), name
     finally:
         stop_all(procs, run_id)
-
-
-async def _call_when_taken_up(agent: Agent) -> None:
-    """The gateway takes an execution up from its `execution.started` (relayed over the bus): until then it
-    answers 401, so the first call retries briefly."""
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            await agent.call()
-            return
-        except AssertionError:
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.5)
 
 
 def _sessions_fold(events: list[Any], execution_id: str) -> Any:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from services.scheduler.policies import DispatchQuery
 from services.scheduler.service import SchedulerService, SchedulerSettings
 from shared.events import (
@@ -267,10 +269,11 @@ async def test_elastic_orders_session_moves_live_once_each_and_the_fold_waits_fo
     assert all(by_id[m[0]].migrating and by_id[m[0]].cell_id == m[2] for m in moves)
 
 
-async def test_a_query_no_rollout_cell_can_hold_is_named_once(store, bus, infra):
-    """Engines whose KV admits one session each: async's one rollout cell can never start a query of two. The run
-    config refuses such KV before a run starts; a run configured another way gets the query named (health, log)
-    instead of waiting in silence."""
+@pytest.mark.parametrize(("kv_tokens", "fits"), [(9216, False), (18432, True)])
+async def test_a_query_no_rollout_cell_can_hold_is_named_once(store, bus, infra, kv_tokens: int, fits: bool):
+    """Engines whose KV admits one session each (9,216 tokens): async's one rollout cell can never start a query
+    of two. The run config refuses such KV before a run starts; a run configured another way gets the query named
+    (health, log) instead of waiting in silence. Engines that admit two (18,432) start it and name nothing."""
     run_id = unique("run-")
     svc = scheduler(infra, store, bus, run_id, "async", total_steps=1)
     await register(store, run_id, "n1-cell0", "n1-cell1")
@@ -280,27 +283,13 @@ async def test_a_query_no_rollout_cell_can_hold_is_named_once(store, bus, infra)
         await ticks(svc)
         assert svc.health()["never_fits"] == ""  # no engine has said what it holds yet
         await append(store, run_id, WeightsLoaded(cell_id="n1-cell0", worker_id="n1-cell0", version=0,
-                                                  kv_capacity_tokens=9216), "cell-n1-cell0")
+                                                  kv_capacity_tokens=kv_tokens), "cell-n1-cell0")
         await ready(store, run_id, {"n1-cell0": "rollout", "n1-cell1": "train"})
+        if fits:
+            await wait_until(store, run_id, "query.dispatched", 1)
         await ticks(svc)
-        assert svc.health()["never_fits"] == f"{run_id}-step0-q0"
-        assert await events_of(store, run_id, "query.dispatched") == []
-    finally:
-        await svc.stop()
-
-
-async def test_engines_that_hold_a_query_are_not_named(store, bus, infra):
-    run_id = unique("run-")
-    svc = scheduler(infra, store, bus, run_id, "async", total_steps=1)
-    await register(store, run_id, "n1-cell0", "n1-cell1")
-    await svc.start()
-    try:
-        await wait_until(store, run_id, "cell.assigned", 2)
-        await append(store, run_id, WeightsLoaded(cell_id="n1-cell0", worker_id="n1-cell0", version=0,
-                                                  kv_capacity_tokens=18432), "cell-n1-cell0")
-        await ready(store, run_id, {"n1-cell0": "rollout", "n1-cell1": "train"})
-        await wait_until(store, run_id, "query.dispatched", 1)
-        await ticks(svc)
-        assert svc.health()["never_fits"] == ""
+        assert svc.health()["never_fits"] == ("" if fits else f"{run_id}-step0-q0")
+        if not fits:
+            assert await events_of(store, run_id, "query.dispatched") == []
     finally:
         await svc.stop()
