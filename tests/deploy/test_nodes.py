@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -40,8 +39,9 @@ NET = "10.77.{}.{}"
 
 pytestmark = [
     pytest.mark.slow, pytest.mark.late, pytest.mark.timeout(2400),
-    pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
-                       reason="network namespaces need root and iproute2"),
+    # Creating network namespaces is the machine's privilege to give, not the project's (iproute2, which `make
+    # setup` installs as root, is then there).
+    pytest.mark.skipif(os.geteuid() != 0, reason="creating network namespaces needs root, which this user is not"),
 ]
 
 
