@@ -9,10 +9,12 @@ worker — a real vLLM engine each — fetch and decode them while it serves (se
 then swap them in (`RolloutWorker.apply_weights`, the generation pause). The baseline copies one file holding
 the same bytes to another (`shutil.copyfile`, the page cache warm, no fsync: the cheapest copy there is).
 
-    python bench/weights.py [--size half] [--workers 1] [--rounds 3] [--shard-mb 256] [--handoff]
+    python bench/weights.py [--size half] [--workers 1] [--rounds 3] [--shard-mb 256] [--handoff | --stream]
 
 `--handoff`: the same-node handoff (rank 0 also writes the shards to a node-local folder, the worker on that
 node hands them to its engine; the Object Store is still written, as the path of record).
+`--stream`: the weights stream (rank 0 holds the shards and sends them over gloo to each worker, into the files
+its engine loads at the swap; the Object Store is still written, as the path of record).
 
 Last line: JSON with `model_bytes`, `publish_to_served_s`, `raw_copy_s` and `ratio` (the first ÷ the second),
 medians over the rounds; the line before it has every round's phases.
@@ -37,13 +39,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._infra import servers  # noqa: E402
 
 
-async def _serve(worker: Any, blobs: Any, published: Any, stage: Path, node: str) -> dict[str, float]:
+async def _serve(worker: Any, blobs: Any, published: Any, stage: Path, node: str,
+                 stream: bool) -> dict[str, float]:
     """What a worker does on `weights.published`: fetch while serving (staging the shards as files its engine
-    reads, or taking rank 0's own on the same node), then swap (the pause)."""
+    reads, or taking rank 0's own on the same node), then swap (the pause); or with the stream, pull the shards
+    into its engine at the swap."""
     from services.rollout.weights_fetch import fetch_weights
 
-    fetched = await fetch_weights(blobs, published, stage_dir=stage, node=node)
+    fetched = await fetch_weights(blobs, published, stage_dir=stage, node=node,
+                                  stream_timeout_s=60.0 if stream else None)
     assert fetched.handoff == bool(node), "the handoff was asked for and not taken, or the other way round"
+    assert (fetched.via == "stream") == stream, "the stream was asked for and not taken, or the other way round"
     try:
         swap = await worker.apply_weights(published.version, fetched.weights)
     finally:
@@ -76,6 +82,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     from services.rollout.worker import RolloutWorker
     from services.trainer.engine import PublishedShards
     from services.trainer.rank import LocalShards, store_publication
+    from services.trainer.weights_stream import StreamServer
     from shared.blobs import Blobs
     from shared.bus import Bus
     from shared.events import WeightsPublished
@@ -92,7 +99,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     state = load_file(str(model_dir / "model.safetensors"))
     params = sum(t.numel() for t in state.values())
     details: dict[str, Any] = {"model": args.model_dir or f"created here, size {args.size}", "params": params,
-                               "handoff": args.handoff,
+                               "handoff": args.handoff, "stream": args.stream,
                                "dtype": str(dtype).removeprefix("torch."), "workers": args.workers,
                                "create_s": round(time.perf_counter() - made, 1), "rounds": []}
     print(json.dumps({"params": params, "dtype": details["dtype"]}), flush=True)
@@ -108,17 +115,20 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             previous: WeightsManifest | None = None
             node = "bench-node" if args.handoff else ""
             local = LocalShards(work / "published", node) if args.handoff else None
+            server = StreamServer("127.0.0.1") if args.stream else None
             for r in range(1, args.rounds + 1):
                 with torch.no_grad():  # a step's worth of change: every tensor moves, so every shard is new
                     for t in state.values():
                         t.add_(1e-3)
                 started = time.perf_counter()
-                ref = await store_publication(blobs, PublishedShards(state, dtype, args.shard_mb * 2**20), local)
+                ref = await store_publication(blobs, PublishedShards(state, dtype, args.shard_mb * 2**20), local,
+                                              server)
                 stored = time.perf_counter()
                 manifest = WeightsManifest.from_bytes(await blobs.get(ref))
                 published = WeightsPublished(version=r, step=r - 1, weights=ref, format="shards",
                                              dtype=manifest.dtype, bytes=manifest.size)
-                served = await asyncio.gather(*(_serve(w, blobs, published, work / "stage" / w.worker_id, node)
+                served = await asyncio.gather(*(_serve(w, blobs, published, work / "stage" / w.worker_id, node,
+                                                       args.stream)
                                                 for w in workers))
                 done = max(s.pop("served_at") for s in served)
                 raw = _raw_copy_s([d for d, _ in encode_shards(state, dtype, args.shard_mb * 2**20)], work)
@@ -134,6 +144,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 previous = manifest
             for w in workers:
                 assert w.policy_version == args.rounds
+            if server is not None:
+                server.close()
         finally:
             for e in engines:
                 await e.close()
@@ -150,11 +162,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         return statistics.median(w[key] for r in rounds for w in r["workers"])
 
     publish_to_served, raw_copy = median("publish_to_served_s"), median("raw_copy_s")
-    return {"bench": "weights", "path": "handoff" if args.handoff else "object_store",
+    path = "handoff" if args.handoff else "stream" if args.stream else "object_store"
+    return {"bench": "weights", "path": path,
             "model_bytes": rounds[-1]["model_bytes"], "params": params,
             "dtype": details["dtype"], "workers": args.workers, "shards": rounds[-1]["shards"],
             "publish_to_served_s": round(publish_to_served, 3), "raw_copy_s": round(raw_copy, 3),
-            "ratio": round(publish_to_served / raw_copy, 2), "store_s": round(median("store_s"), 3), "fetch_s": round(median_worker("fetch_s"), 3),
+            "ratio": round(publish_to_served / raw_copy, 2), "store_s": round(median("store_s"), 3),
+            "fetch_s": round(median_worker("fetch_s"), 3),
             "pause_s": round(median_worker("pause_s"), 3), "swap_s": round(median_worker("swap_s"), 3)}
 
 
@@ -165,8 +179,11 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--shard-mb", type=int, default=256)
-    parser.add_argument("--handoff", action="store_true",
-                        help="the same-node handoff: the worker takes rank 0's files instead of the Object Store")
+    paths = parser.add_mutually_exclusive_group()
+    paths.add_argument("--handoff", action="store_true",
+                       help="the same-node handoff: the worker takes rank 0's files instead of the Object Store")
+    paths.add_argument("--stream", action="store_true",
+                       help="the weights stream: rank 0 sends the shards into each engine over gloo")
     print(json.dumps(asyncio.run(run(parser.parse_args()))))
 
 

@@ -58,6 +58,10 @@ class WeightsManifest(BaseModel):
     # a worker on that node hands those files to its engine instead of reading the Object Store.
     node: str = ""
     local_dir: str = ""
+    # The weights stream (shared/weights_stream.py): rank 0's rendezvous address and the group's backend, where it
+    # also sends the shards to workers directly.
+    stream: str = ""
+    stream_backend: str = ""
 
     def local_path(self, shard: WeightShard) -> Path:
         return Path(self.local_dir) / local_name(shard.ref.digest)
@@ -66,7 +70,9 @@ class WeightsManifest(BaseModel):
         return {s.ref.digest for s in self.shards}
 
     def to_bytes(self) -> bytes:
-        return self.model_dump_json().encode()
+        # Without a stream, the bytes of manifests written before it existed (so their digests stay the same).
+        unset = {k for k in ("stream", "stream_backend") if not getattr(self, k)}
+        return self.model_dump_json(exclude=unset or None).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> WeightsManifest:
@@ -147,13 +153,13 @@ def encode_shards(
         yield save_safetensors(tensors, metadata={"format": "pt"}), len(tensors)
 
 
-def manifest_for(shards: Sequence[tuple[BlobRef, int]], dtype: str, *, node: str = "",
-                 local_dir: str = "") -> WeightsManifest:
+def manifest_for(shards: Sequence[tuple[BlobRef, int]], dtype: str, *, node: str = "", local_dir: str = "",
+                 stream: str = "", stream_backend: str = "") -> WeightsManifest:
     """The manifest of stored shards (references and tensor counts, in load order) of one dtype (`bfloat16`)."""
     return WeightsManifest(dtype=dtype.removeprefix("torch."), tensors=sum(n for _, n in shards),
                            size=sum(ref.size for ref, _ in shards),
                            shards=tuple(WeightShard(ref=ref, tensors=n) for ref, n in shards),
-                           node=node, local_dir=local_dir)
+                           node=node, local_dir=local_dir, stream=stream, stream_backend=stream_backend)
 
 
 # safetensors' dtype codes of floating tensors, by torch's names

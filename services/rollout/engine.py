@@ -21,6 +21,7 @@ from typing import Any, Literal
 from services.rollout.engine_port import EngineError, EngineOutput
 from services.rollout.kv_handoff import KV_LOAD_PREFIX, KV_SAVE_PREFIX
 from services.rollout.protocol import SamplingSpec
+from shared.weights_stream import StreamPull, StreamRefused
 
 RESET_ATTEMPTS = 50  # tries, 0.1 s apart, to drop the prefix cache after a weight swap
 NIXL_DESCRIPTOR = "nixl.json"  # the one file of a NIXL bundle: where the saved blocks are to be pulled from
@@ -275,13 +276,38 @@ class VllmEngine:
 
         await self._reload(reload)
 
-    async def _reload(self, reload: Callable[[Any], None]) -> None:
+    async def receive_weights(self, pull: StreamPull) -> float:
+        """Each engine worker pulls the shards over the weights stream onto its model's device, then reloads from
+        views into them (one RPC; only the pull's description crosses it). A pull that fails raises before any
+        weight changes."""
+
+        def reload(worker: Any, pull: StreamPull = pull) -> float | str:
+            from shared.weights_stream import receive
+
+            device = next(worker.model_runner.model.parameters()).device
+            started = time.perf_counter()
+            try:
+                tensors = receive(pull, str(device))
+            except StreamRefused as exc:  # crosses the RPC as text: the caller raises it again
+                return f"refused: {exc}"
+            seconds = time.perf_counter() - started
+            worker.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
+            return seconds
+
+        results = await self._reload(reload)
+        refused = [r for r in results if isinstance(r, str)]
+        if refused:
+            raise StreamRefused(refused[0].removeprefix("refused: "))
+        return max((float(r) for r in results), default=0.0)
+
+    async def _reload(self, reload: Callable[[Any], Any]) -> list[Any]:
         # First make sure nothing holds cache blocks (this raises before the weights change, leaving the
         # worker consistent on the old policy); then, with the worker's gate closed, nothing can start
         # between the reload and the reset that drops the old policy's KV.
         await self.reset_prefix_cache()
-        await self._llm.collective_rpc(reload)
+        results = await self._llm.collective_rpc(reload)
         await self.reset_prefix_cache()
+        return list(results)
 
     async def reset_prefix_cache(self) -> None:
         """Drop the prefix cache. vLLM refuses (returns False) while a request holds cache blocks; the worker

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from services.rollout.protocol import SamplingSpec
+from shared.weights_stream import StreamPull
 
 
 class EngineError(Exception):
@@ -42,6 +43,12 @@ class Engine(Protocol):
     async def load_weight_files(self, paths: Sequence[Path]) -> None:
         """`load_weights` from safetensors files on this node (a publication's shards, staged by the worker):
         the engine reads them itself rather than being handed the tensors."""
+        ...
+
+    async def receive_weights(self, pull: StreamPull) -> float:
+        """`load_weights` from rank 0 over the weights stream: the engine process receives the shards onto its own
+        device and reloads from them; returns the transfer's seconds. StreamRefused, with the old weights kept,
+        when the stream does not deliver them whole."""
         ...
 
     async def reset_prefix_cache(self) -> None: ...

@@ -51,6 +51,7 @@ from shared.events import (
 from shared.logging import configure_logging
 from shared.runtime import Service
 from shared.settings import Settings, load_settings
+from shared.weights_stream import StreamRefused
 
 DRAIN_DETAIL_CHARS = 2000  # a drain's detail as `cell.drained` keeps it (one line per session left behind)
 
@@ -166,9 +167,11 @@ class RolloutWorkerService(Service):
 
         if not self.worker.wants(published.version):
             return None  # an older publication delivered late, or one loaded at start: not worth its download
+        r = self.rollout
+        stream_timeout_s = r.weights_stream_timeout_s if r.weights_stream else None
         try:
             fetched = await fetch_weights(self.blobs, published, stage_dir=self._weights_stage,
-                                          node=self.settings.node_id, log=self.log)
+                                          node=self.settings.node_id, log=self.log, stream_timeout_s=stream_timeout_s)
         except WeightsGone as exc:
             newest = await self._newest_publication()
             if newest is None or newest.version <= published.version:
@@ -176,6 +179,11 @@ class RolloutWorkerService(Service):
             self.log.info("weights_superseded", version=published.version, newest=newest.version, detail=str(exc))
             return await self._load(newest)
         try:
+            swap = await self.worker.apply_weights(published.version, fetched.weights)
+        except StreamRefused as exc:  # the old weights still serve: the path of record brings the new ones
+            self.log.warning("weights_stream_refused", version=published.version, detail=str(exc))
+            fetched = await fetch_weights(self.blobs, published, stage_dir=self._weights_stage,
+                                          node=self.settings.node_id, log=self.log)
             swap = await self.worker.apply_weights(published.version, fetched.weights)
         finally:
             fetched.discard()

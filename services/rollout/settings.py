@@ -41,6 +41,10 @@ class RolloutSettings(BaseSettings):
     # This worker's folder for a publication's shards between their download and the swap (its engine reads
     # them from there). Unset: `<state_dir>/weights/<worker_id>`.
     weights_staging: Path | None = None
+    # Pull a publication over the weights stream when its rank 0 offers one (and no same-node handoff serves it):
+    # the engine receives the shards straight from rank 0; the Object Store is read when the stream fails.
+    weights_stream: bool = True
+    weights_stream_timeout_s: float = Field(default=60.0, gt=0)
     heartbeat_s: float = 1.0
     # Start in standby (engine loaded, warmed up and asleep; no `weights.loaded`) until the cell is released to
     # rollout: the cell agent's second, warm process on a cell that starts in another role.

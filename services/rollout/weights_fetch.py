@@ -4,6 +4,8 @@ next one downloading while the last is checked and put down, all while the worke
 does), each shard is written there as the safetensors file it is, checked from its header alone, and the
 engine reads the files in its own process (`Engine.load_weight_files`) — handing a 1 GB state dict to vLLM's
 engine process as tensors pickles it through the RPC (16–26 s on this machine against 0.5 s from files).
+From where: rank 0's own files on its node (the same-node handoff), else rank 0 itself over the weights stream
+when it offers one, else the Object Store (the path of record, and the fallback of the other two).
 Without one, the shards are decoded into a state dict in this process. A shard that reads back corrupted is
 fetched again; a publication whose objects retention has deleted is `WeightsGone` (the caller loads the
 newest instead).
@@ -21,6 +23,7 @@ from shared.blobs import BlobCorrupted, BlobNotFound, Blobs
 from shared.events import WeightsPublished
 from shared.objects import ObjectFetchTimeout
 from shared.weights import WeightShard, WeightsFormatError, WeightsManifest, check_shard, decode_shard
+from shared.weights_stream import StreamPull, StreamRefused, receive, receive_files
 
 if TYPE_CHECKING:
     import torch
@@ -48,11 +51,13 @@ class FetchedWeights:
     files: list[Path] = field(default_factory=list)
     state_dict: dict[str, torch.Tensor] = field(default_factory=dict)
     handoff: bool = False  # the files are rank 0's on this node (the same-node handoff): not ours to delete
+    pull: StreamPull | None = None  # nothing fetched yet: the engine pulls the shards over the weights stream
+    via: str = "object_store"  # or "handoff", or "stream"
 
     @property
-    def weights(self) -> list[Path] | dict[str, torch.Tensor]:
+    def weights(self) -> list[Path] | dict[str, torch.Tensor] | StreamPull:
         """What `RolloutWorker.apply_weights` takes."""
-        return self.files if self.files else self.state_dict
+        return self.pull or self.files or self.state_dict
 
     def discard(self) -> None:
         """Remove the staged files (once the engine has loaded them, or given up)."""
@@ -63,12 +68,16 @@ class FetchedWeights:
 
 
 async def fetch_weights(
-    blobs: Blobs, published: WeightsPublished, *, stage_dir: Path | None = None, node: str = "", log: Any = None
+    blobs: Blobs, published: WeightsPublished, *, stage_dir: Path | None = None, node: str = "", log: Any = None,
+    stream_timeout_s: float | None = None,
 ) -> FetchedWeights:
     """The publication's weights, checked shard by shard against its manifest and digests: written to
     `stage_dir` as files, or decoded into a state dict without one. A worker on rank 0's node (`node`, with a
     staging folder: it hands files to its engine) takes rank 0's own files when they are all there and whole
-    (the same-node handoff), and reads the Object Store otherwise."""
+    (the same-node handoff). Otherwise, with `stream_timeout_s`, a publication whose rank 0 offers the weights
+    stream comes over it (shared/weights_stream.py): over gloo, received here into the staged files (or a state
+    dict); over NCCL, not fetched at all: the result is the pull its engine makes at the swap (`StreamPull`).
+    The Object Store is read when neither serves, or the gloo stream is refused."""
     started = time.perf_counter()
     version = published.version
     if published.format == "safetensors":  # one file: runs recorded before shards
@@ -85,9 +94,22 @@ async def fetch_weights(
         local = await asyncio.to_thread(_handed_over, manifest)
         if local is not None:
             return FetchedWeights(manifest.size, len(manifest.shards), time.perf_counter() - started,
-                                  dtype=manifest.dtype, files=local, handoff=True)
+                                  dtype=manifest.dtype, files=local, handoff=True, via="handoff")
         if log is not None:
             log.info("weights_handoff_missed", version=version, folder=manifest.local_dir)
+    pull = StreamPull.of(manifest, stream_timeout_s) if stream_timeout_s is not None else None
+    if pull is not None and pull.backend == "nccl":  # GPU to GPU: the engine itself receives, at the swap
+        return FetchedWeights(manifest.size, len(manifest.shards), time.perf_counter() - started,
+                              dtype=manifest.dtype, pull=pull, via="stream")
+    if pull is not None:
+        try:
+            streamed = await _streamed(pull, manifest, version, stage_dir)
+        except StreamRefused as exc:
+            if log is not None:
+                log.warning("weights_stream_refused", version=version, detail=str(exc))
+        else:
+            streamed.fetch_s = time.perf_counter() - started
+            return streamed
     fetched = FetchedWeights(manifest.size, len(manifest.shards), 0.0, dtype=manifest.dtype)
     if stage_dir is not None:
         stage_dir.mkdir(parents=True, exist_ok=True)
@@ -124,6 +146,19 @@ async def fetch_weights(
     if fetched.refetched and log is not None:
         log.warning("weights_shards_refetched", version=version, refetched=fetched.refetched)
     fetched.fetch_s = time.perf_counter() - started
+    return fetched
+
+
+async def _streamed(pull: StreamPull, manifest: WeightsManifest, version: int,
+                    stage_dir: Path | None) -> FetchedWeights:
+    """The publication over the gloo stream: into staged files, or into a state dict without a staging folder."""
+    fetched = FetchedWeights(manifest.size, len(manifest.shards), 0.0, dtype=manifest.dtype, via="stream")
+    if stage_dir is None:
+        fetched.state_dict = dict(await asyncio.to_thread(receive, pull, "cpu"))
+        return fetched
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    fetched.files = [stage_dir / f"v{version}-{i:05d}.safetensors" for i in range(len(manifest.shards))]
+    await asyncio.to_thread(receive_files, pull, fetched.files)
     return fetched
 
 

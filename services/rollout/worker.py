@@ -41,6 +41,7 @@ from services.rollout.protocol import (
 from services.rollout.routing import migration_target
 from shared.events import EventData, KvMigrated, KvMigrationRefused
 from shared.logging import get_logger
+from shared.weights_stream import StreamPull
 from shared.worker_status import WorkerState, WorkerStatus
 
 Emit = Callable[[Sequence[EventData]], Awaitable[None]]
@@ -278,12 +279,14 @@ class RolloutWorker:
         return version > self.policy_version or (version == 0 and not self._serves_published)
 
     async def apply_weights(
-        self, version: int, weights: Mapping[str, Any] | Sequence[Path]
+        self, version: int, weights: Mapping[str, Any] | Sequence[Path] | StreamPull
     ) -> dict[str, float] | None:
         """Swap weights between calls: new calls wait, in-flight calls finish on the old policy first. `weights`:
-        a state dict, or safetensors files on this node the engine reads itself. Returns the swap's times when
-        it loaded them — `pause_s`, how long new calls were held (the wait for in-flight ones included), and
-        `swap_s`, the engine's load — or None (not newer than what it serves)."""
+        a state dict, safetensors files on this node the engine reads itself, or a pull the engine makes over
+        the weights stream (StreamRefused when it fails: the engine still serves the old weights). Returns the
+        swap's times when it loaded them — `pause_s`, how long new calls were held (the wait for in-flight ones
+        included), `swap_s`, the engine's load, and for a pull `stream_s`, its transfer — or None (not newer than
+        what it serves)."""
         if not self.wants(version):
             self.log.info("weights_skipped", version=version, current=self.policy_version)
             return None
@@ -293,7 +296,10 @@ class RolloutWorker:
             async with self._idle:
                 await self._idle.wait_for(lambda: self.in_flight == 0)
             started = time.perf_counter()
-            if isinstance(weights, Mapping):
+            extra: dict[str, float] = {}
+            if isinstance(weights, StreamPull):
+                extra["stream_s"] = await self.engine.receive_weights(weights)
+            elif isinstance(weights, Mapping):
                 await self.engine.load_weights(weights)
             else:
                 await self.engine.load_weight_files(weights)
@@ -303,7 +309,7 @@ class RolloutWorker:
         finally:
             self._open.set()
             self._on_change()
-        times = {"pause_s": time.perf_counter() - paused, "swap_s": swap_s}
+        times = {"pause_s": time.perf_counter() - paused, "swap_s": swap_s, **extra}
         self.log.info("weights_loaded", version=version, **{k: round(v, 4) for k, v in times.items()})
         return times
 

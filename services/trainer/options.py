@@ -10,6 +10,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.weights import DEFAULT_SHARD_BYTES, PublishDtype
+from shared.weights_stream import StreamBackend
 
 
 class TrainerOptions(BaseSettings):
@@ -66,6 +67,14 @@ class RankOptions(BaseSettings):
     # `<state_dir>/weights/published`.
     local_weights: bool = True
     local_weights_dir: Path | None = None
+    # The weights stream (shared/weights_stream.py): rank 0 also sends each publication's shards to the workers
+    # that pull them, over a pair group (gloo: host memory; nccl: GPU to GPU), at the address workers reach it by
+    # (`host`; port 0: a free one). The Object Store stays the path of record and the fallback.
+    weights_stream: bool = False
+    weights_stream_host: str = "127.0.0.1"
+    weights_stream_port: int = Field(default=0, ge=0, le=65535)
+    weights_stream_backend: StreamBackend = "gloo"
+    weights_stream_timeout_s: float = Field(default=60.0, gt=0)
 
 
 __all__ = ["RankOptions", "TrainerOptions"]

@@ -37,6 +37,7 @@ from services.trainer.protocol import (
     rank_subject,
 )
 from services.trainer.rank_work import RankWork
+from services.trainer.weights_stream import StreamServer
 from shared.blobs import Blobs
 from shared.events import BlobRef, RankReady, stream_id_for
 from shared.logging import configure_logging
@@ -74,6 +75,7 @@ class RankService(Service):
         # The same-node handoff (rank 0's publications, for rollout workers on this node): on unless turned off.
         folder = self.options.local_weights_dir or Path(self.settings.state_dir) / "weights" / "published"
         self.local = LocalShards(folder, self.settings.node_id) if self.options.local_weights else None
+        self.stream: StreamServer | None = None  # the weights stream, started at this rank's first publication
         self._subscriptions: list[Any] = []
         self.warm_s = 0.0
         self.loop: asyncio.AbstractEventLoop | None = None  # the bus's, where the torch thread's transfers run
@@ -112,6 +114,8 @@ class RankService(Service):
         except Exception as exc:  # a thread stuck in a collective: the process exits without it
             self.log.warning("leave_on_stop_failed", error=f"{type(exc).__name__}: {exc}")
         self._torch.shutdown(wait=False, cancel_futures=True)
+        if self.stream is not None:
+            await asyncio.to_thread(self.stream.close)
         shutil.rmtree(self.checkpoint_local, ignore_errors=True)  # staged or fetched copies of what the store holds
 
     def _checkpoints(self, root: str) -> CheckpointStore:
@@ -177,11 +181,28 @@ class RankService(Service):
 
     async def _store(self, published: PublishedShards) -> tuple[BlobRef, float]:
         started = time.perf_counter()
-        ref = await store_publication(self.blobs, published, self.local)
+        ref = await store_publication(self.blobs, published, self.local, self._stream())
         seconds = time.perf_counter() - started
         self.log.info("weights_stored", dtype=published.dtype_name, gather_s=round(published.seconds, 3),
                       store_s=round(seconds, 3))
         return ref, seconds
+
+    def _stream(self) -> StreamServer | None:
+        """The weights stream's server, started on first use when the options turn it on (None when they do
+        not, or when it cannot listen: the Object Store then carries the weights alone, as it always can)."""
+        o = self.options
+        if self.stream is None and o.weights_stream:
+            try:
+                self.stream = StreamServer(o.weights_stream_host, o.weights_stream_port,
+                                           backend=o.weights_stream_backend,
+                                           device="cuda" if o.weights_stream_backend == "nccl" else "cpu",
+                                           timeout_s=o.weights_stream_timeout_s, log=self.log)
+            except (RuntimeError, OSError, ValueError) as exc:
+                self.log.warning("weights_stream_unavailable", error=str(exc).strip().splitlines()[0][:200])
+                self.options = o.model_copy(update={"weights_stream": False})
+                return None
+            self.log.info("weights_stream_listening", address=self.stream.address, backend=self.stream.backend)
+        return self.stream
 
     async def ping(self, request: Body) -> Body:
         return PingReply(rank_id=self.rank_id, generation=self.work.generation, busy=self.busy)
@@ -211,13 +232,16 @@ def _clear_dead_ranks_folders(parent: Path, cell_id: str) -> None:
             pass
 
 
-async def store_publication(blobs: Blobs, published: PublishedShards, local: LocalShards | None = None) -> BlobRef:
+async def store_publication(blobs: Blobs, published: PublishedShards, local: LocalShards | None = None,
+                            stream: StreamServer | None = None) -> BlobRef:
     """Store a publication's shards in the Object Store one after another, each encoded on a thread while the
     one before it is stored (its chunks pipelined), then the manifest that names them; returns the manifest's
     reference (what `weights.published` carries). With `local`, each shard is also written to the node-local
-    folder (on a thread, beside the next shard's upload) for the same-node handoff, and the manifest says so."""
+    folder (on a thread, beside the next shard's upload) for the same-node handoff, and the manifest says so;
+    with `stream`, the shards are held for the weights stream from then on, and the manifest offers it."""
     shards = published.shards()
     stored: list[tuple[BlobRef, int]] = []
+    held: dict[str, bytes] = {}
     writes: list[asyncio.Future[None]] = []
     encoding = asyncio.ensure_future(asyncio.to_thread(next, shards, None))
     try:
@@ -226,16 +250,22 @@ async def store_publication(blobs: Blobs, published: PublishedShards, local: Loc
             encoding = asyncio.ensure_future(asyncio.to_thread(next, shards, None))
             ref = await blobs.put(data, SHARD_MEDIA_TYPE, store="object")
             stored.append((ref, tensors))
+            if stream is not None:
+                held[ref.digest] = data
             if local is not None:
                 writes.append(asyncio.ensure_future(asyncio.to_thread(local.write, ref.digest, data)))
         await asyncio.gather(*writes)
     finally:
         if not encoding.done():
             encoding.cancel()
-    if local is None:
-        manifest = manifest_for(stored, published.dtype_name)
-    else:
-        manifest = manifest_for(stored, published.dtype_name, node=local.node, local_dir=str(local.folder))
+    offers: dict[str, str] = {}
+    if local is not None:
+        offers |= {"node": local.node, "local_dir": str(local.folder)}
+    if stream is not None:
+        stream.offer(held)
+        offers |= {"stream": stream.address, "stream_backend": stream.backend}
+    manifest = manifest_for(stored, published.dtype_name, **offers)
+    if local is not None:
         local.keep_only(manifest.digests())
     return await blobs.put(manifest.to_bytes(), MANIFEST_MEDIA_TYPE, store="object")
 

@@ -163,6 +163,10 @@ def node_env(net: Network, node: Node, run_id: str) -> dict[str, str]:
         "GYRE_HARNESS_BACKEND": "bwrap",
         "GYRE_CELL_NODE_ID": f"node-{node.name}",
         "GLOO_SOCKET_IFNAME": "eth0",  # the ranks' collectives go over the node's own interface
+        # Rank 0 also streams each publication to the workers, at its node's own address (the other node's
+        # worker pulls it across the bridge; the same node's takes the handoff).
+        "GYRE_TRAINER_WEIGHTS_STREAM": "true",
+        "GYRE_TRAINER_WEIGHTS_STREAM_HOST": node.address,
         "XDG_RUNTIME_DIR": str(node.folder / "runtime"),
     })
     if node is not a:  # a cell node offers one of the run's two cells (`scheduling.cells` counts them all)
@@ -254,6 +258,9 @@ async def test_a_run_across_three_nodes_sharing_nothing_but_the_bus_survives_los
         query, a, envs["a"], "select data->>'cell_id', (data->>'version')::int from events "
                              "where type = 'weights.loaded'")
     assert max(int(v) for _, v in loaded) >= STEPS - 1, loaded  # type: ignore[call-overload]
+    # ... and at least one of them came over the weights stream from rank 0 on the other node.
+    logs = [p.read_text(errors="replace") for node in (b, c) for p in node.folder.rglob("*.log")]
+    assert any("weights_streamed" in text for text in logs), "no worker pulled weights over the stream"
     report = json.loads((a.folder / "state" / "runs" / run_id / "report.json").read_text())
     assert [row["step"] for row in report["steps"]] == list(range(STEPS))
     # b and c made their own copies of the run from the bus; neither has another node's folder in its settings.

@@ -5,8 +5,10 @@ vLLM tests use the real engine.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -26,6 +28,7 @@ from services.rollout.gateway_core import GatewayCore
 from services.rollout.kv_bundle import KvBundleError, KvManifest, pack_bundle, unpack_bundle
 from services.rollout.kv_handoff import KV_LOAD_PREFIX, KV_SAVE_PREFIX
 from services.rollout.kv_transport import KvTransferFailed
+from shared.weights_stream import StreamPull
 from services.rollout.protocol import (
     AdoptReply,
     AdoptRequest,
@@ -179,6 +182,14 @@ class ScriptedEngine:
         for path in paths:
             state_dict.update(load_file(str(path)))
         await self.load_weights(state_dict)
+
+    async def receive_weights(self, pull: StreamPull) -> float:
+        from shared.weights_stream import receive
+
+        started = time.perf_counter()
+        tensors = await asyncio.to_thread(receive, pull, "cpu")
+        await self.load_weights(dict(tensors))
+        return time.perf_counter() - started
 
     async def reset_prefix_cache(self) -> None:
         self.prompts.clear()

@@ -116,3 +116,52 @@ async def test_concurrent_seeded_long_prompts_are_not_split_across_steps_on_cpu(
     assert all(isinstance(o, EngineOutput) and o.token_ids for o in outs)
     again = await engine.generate(prompts[0], SamplingSpec(max_tokens=8, temperature=1.0, seed=100), "long-again")
     assert again.token_ids == outs[0].token_ids  # the engine still serves, and a seed still fixes the sample
+
+
+async def test_weights_streamed_from_rank_0_swap_in_and_a_refused_stream_keeps_the_old_ones(
+        engine, model_dir) -> None:
+    """The weights stream into a real engine: rank 0's server (in this process) sends a publication's shards and
+    the engine process receives them over gloo and reloads from views into them. The swapped-in weights are
+    what it serves; a stream that no longer holds a publication is refused and the old weights stay."""
+    from services.trainer.weights_stream import StreamServer
+    from shared.blobs import blob_ref
+    from shared.weights import encode_shards, manifest_for
+    from shared.weights_stream import StreamPull, StreamRefused
+
+    worker = RolloutWorker(engine, worker_id="w-stream", cell_id="c")
+    original = load_file(str(model_dir / "model.safetensors"))
+    noise = torch.Generator().manual_seed(1)
+    perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=noise, dtype=v.dtype) for k, v in original.items()}
+    server = StreamServer("127.0.0.1", timeout_s=30)
+
+    def offered(sd: dict[str, torch.Tensor]) -> StreamPull:
+        encoded = list(encode_shards(sd, torch.float32, 200_000))
+        refs = [(blob_ref(data), n) for data, n in encoded]
+        server.offer({ref.digest: data for (ref, _), (data, _) in zip(refs, encoded, strict=True)})
+        manifest = manifest_for(refs, "float32", stream=server.address, stream_backend="gloo")
+        assert len(manifest.shards) > 1
+        pull = StreamPull.of(manifest, timeout_s=30)
+        assert pull is not None
+        return pull
+
+    ids = np.asarray(PROMPT, dtype=np.int32)
+    try:
+        base = await worker.generate(_request("stream-base"), ids)
+        times = await worker.apply_weights(1, offered(perturbed))
+        assert times is not None and times["stream_s"] > 0
+        changed = await worker.generate(_request("stream-perturbed"), ids)
+        assert changed.policy_version == 1 and changed.logprobs != base.logprobs
+        times = await worker.apply_weights(2, offered(original))
+        back = await worker.generate(_request("stream-back"), ids)
+        assert back.policy_version == 2 and back.completion == base.completion
+        assert back.logprobs == pytest.approx(base.logprobs, abs=1e-5)
+        assert server.served == 2
+
+        newer = offered(perturbed)
+        server.offer({})  # a newer publication replaced it before the worker pulled
+        with pytest.raises(StreamRefused, match="not held"):
+            await worker.apply_weights(3, newer)
+        kept = await worker.generate(_request("stream-kept"), ids)
+        assert kept.policy_version == 2 and kept.completion == base.completion
+    finally:
+        await asyncio.to_thread(server.close)
