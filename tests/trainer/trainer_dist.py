@@ -22,6 +22,7 @@ def _worker(rank: int, phases: list[tuple[int, int, int]], model_dir: str, ckpt:
     from tests.trainer.trainer_trees import make_batch
 
     faulthandler.enable()  # an abort inside the run prints every thread's Python stack
+    os.environ["LOCAL_RANK"] = str(rank)  # on CUDA, each rank its own GPU (distributed.default_device)
     torch.set_num_threads(1)
     losses: list[float] = []
     reforms: list[dict[str, float]] = []

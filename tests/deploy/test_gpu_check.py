@@ -1,0 +1,40 @@
+"""deploy/gpu-check.sh: every check names tests that exist (so the script cannot rot while CI has no GPU), and on
+a machine without a CUDA device it says so in one line and checks nothing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "deploy" / "gpu-check.sh"
+
+
+def _checks() -> list[tuple[str, str]]:
+    listed = subprocess.run([str(SCRIPT), "--list"], capture_output=True, text=True, check=True, timeout=30)
+    return [tuple(line.split("\t")) for line in listed.stdout.splitlines()]  # type: ignore[misc]
+
+
+def test_every_check_names_tests_that_exist() -> None:
+    checks = _checks()
+    assert len(checks) >= 6 and len({name for name, _ in checks}) == len(checks)
+    targets = [target for _, target in checks]
+    collected = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+         "-o", "addopts=", *targets], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert collected.returncode == 0, collected.stdout[-2000:] + collected.stderr[-2000:]
+    ids = [line for line in collected.stdout.splitlines() if "::" in line]
+    for target in targets:
+        assert any(i == target or i.startswith(target + "::") for i in ids), f"{target} collects no test"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device: the script would run")
+def test_without_a_cuda_device_it_checks_nothing_and_says_why() -> None:
+    done = subprocess.run([str(SCRIPT)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "gpu-check: no CUDA device here (torch.cuda.is_available() is False): nothing to check"]
