@@ -17,7 +17,7 @@ CLAUDE_CODE_VERSION := 2.1.197
 CLAUDE_STAMP := $(CLAUDE_CODE_DIR)/.installed-$(CLAUDE_CODE_VERSION)
 export GYRE_CLAUDE_CODE_DIR ?= $(CLAUDE_CODE_DIR)
 
-.PHONY: setup check test test-fast test-slow demo bench claude-code docker browser clean
+.PHONY: setup check test test-fast test-slow demo bench claude-code docker browser clean gpu-lock
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# The GPU build's lock (deploy/gpu-requirements.txt): pip resolves `.[gpu]` in a dry run (metadata only, nothing
+# installed) and the pins are written; tests/deploy/test_gpu_lock.py checks them against pyproject.toml offline.
+gpu-lock: setup
+	$(BIN)/python deploy/gpu-lock.py
 
 # Boundaries and types: the import contracts and mypy settings in pyproject.toml. A service importing another,
 # shared/ importing a service, an import circle or a type error fails here, before any test runs.
