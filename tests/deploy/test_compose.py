@@ -94,11 +94,12 @@ def test_the_env_files_name_settings_the_services_read() -> None:
     from services.harness.service import HarnessSettings
     from services.rollout.service import RolloutSettings
     from services.scheduler.cell_settings import CellSettings
-    from services.trainer.options import TrainerOptions
+    from services.trainer.options import RankOptions, TrainerOptions
     from shared.settings import Settings
 
     known = {name for names in VARIABLES.values() for name in names}
-    for model in (Settings, CellSettings, TrainerOptions, HarnessSettings, RolloutSettings, DeployOptions):
+    for model in (Settings, CellSettings, TrainerOptions, RankOptions, HarnessSettings, RolloutSettings,
+                  DeployOptions):
         prefix = model.model_config.get("env_prefix", "")
         known |= {f"{prefix}{field}".upper() for field in model.model_fields}
     for path in sorted((REPO / "deploy" / "env").glob("*.env")):

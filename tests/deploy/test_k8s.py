@@ -75,6 +75,12 @@ def test_every_process_of_a_run_has_its_workload_and_only_cells_hold_accelerator
     assert kinds["gyre-cells"] == "DaemonSet"  # a cell agent per accelerator node
     cells_env = {e["name"]: e for e in specs["gyre-cells"]["containers"][0]["env"]}
     assert cells_env["GYRE_CELL_NODE_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    # The weights stream: settings a rank reads, rank 0 reached at its pod's own address.
+    from services.trainer.options import RankOptions
+
+    rank_settings = {f"GYRE_TRAINER_{field}".upper() for field in RankOptions.model_fields}
+    assert {"GYRE_TRAINER_WEIGHTS_STREAM", "GYRE_TRAINER_WEIGHTS_STREAM_HOST"} <= rank_settings & cells_env.keys()
+    assert cells_env["GYRE_TRAINER_WEIGHTS_STREAM_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
 
 
 def test_every_name_a_pod_refers_to_is_defined_here_or_outside_as_documented() -> None:
