@@ -57,8 +57,8 @@ try:
 except (OSError, ET.ParseError, AttributeError):
     print("FAIL (no result: see its log)")
     sys.exit()
-if counts["failures"] or counts["errors"] or rc not in (0, 5):
-    print("FAIL")
+if counts["failures"] or counts["errors"] or rc != 0 or not counts["tests"]:
+    print("FAIL" if counts["tests"] else "FAIL (no test ran)")
 elif counts["tests"] and counts["skipped"] == counts["tests"]:
     reason = next((s.get("message", "") for s in suite.iter("skipped")), "")
     print(f"skip ({reason.removeprefix('Skipped: ')[:60]})")

@@ -32,13 +32,14 @@ HEADER = """\
 
 def pins(report: dict) -> list[str]:
     """`name==version` of every package the report installs but the project itself, sorted by name."""
-    project = _project_name()
+    from packaging.utils import canonicalize_name
+
+    project = canonicalize_name(_project_name())
     out = {}
     for item in report["install"]:
-        name, version = item["metadata"]["name"], item["metadata"]["version"]
-        if _canonical(name) == _canonical(project):
-            continue
-        out[_canonical(name)] = f"{_canonical(name)}=={version.split('+', 1)[0]}"
+        name, version = canonicalize_name(item["metadata"]["name"]), item["metadata"]["version"]
+        if name != project:
+            out[name] = f"{name}=={version.split('+', 1)[0]}"
     return [out[k] for k in sorted(out)]
 
 
@@ -60,10 +61,6 @@ def _project_name() -> str:
     import tomllib
 
     return str(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["name"])
-
-
-def _canonical(name: str) -> str:
-    return name.lower().replace("_", "-").replace(".", "-")
 
 
 def main() -> None:

@@ -162,9 +162,11 @@ def manifest_for(shards: Sequence[tuple[BlobRef, int]], dtype: str, *, node: str
                            node=node, local_dir=local_dir, stream=stream, stream_backend=stream_backend)
 
 
-# safetensors' dtype codes of floating tensors, by torch's names
-_FLOAT_CODES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-                "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+# safetensors' dtype codes, by torch's names; the floating ones are what a manifest's dtype governs
+SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                      "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32",
+                      "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+_FLOAT_CODES = {code: name for code, name in SAFETENSORS_DTYPES.items() if name.startswith(("float", "bfloat"))}
 
 
 def check_shard(data: bytes | memoryview, shard: WeightShard, dtype: str) -> None:
@@ -201,6 +203,7 @@ __all__ = [
     "DEFAULT_SHARD_BYTES",
     "MANIFEST_MEDIA_TYPE",
     "PublishDtype",
+    "SAFETENSORS_DTYPES",
     "SHARD_MEDIA_TYPE",
     "WeightShard",
     "WeightsFormatError",

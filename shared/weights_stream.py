@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from shared.weights import WeightShard, WeightsFormatError, WeightsManifest, check_shard
+from shared.weights import SAFETENSORS_DTYPES, WeightShard, WeightsFormatError, WeightsManifest, check_shard
 
 if TYPE_CHECKING:
     import torch
@@ -37,10 +37,6 @@ if TYPE_CHECKING:
 StreamBackend = Literal["gloo", "nccl"]
 TICKETS = "tickets"  # the store's counter a pull takes its ticket from
 HELD = "ok"  # rank 0's answer when it holds every shard asked for
-# safetensors' dtype codes, by torch's names
-_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-           "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-           "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 
 
 class StreamRefused(Exception):
@@ -65,10 +61,6 @@ class StreamPull:
             return None
         backend: StreamBackend = "nccl" if manifest.stream_backend == "nccl" else "gloo"
         return cls(manifest.stream, backend, manifest.shards, manifest.dtype, timeout_s)
-
-    @property
-    def size(self) -> int:
-        return sum(s.ref.size for s in self.shards)
 
     @property
     def digests(self) -> list[str]:
@@ -180,7 +172,7 @@ def _pull(pull: StreamPull, buffer: Callable[[int, WeightShard], torch.Tensor]) 
         store.wait([f"t{ticket}/answer"], dt.timedelta(seconds=pull.timeout_s))
         answer = store.get(f"t{ticket}/answer").decode()
     except (RuntimeError, OSError, ValueError) as exc:  # torch raises DistStoreError (a RuntimeError)
-        raise StreamRefused(f"stream {pull.address}: {_first_line(exc)}") from None
+        raise StreamRefused(f"stream {pull.address}: {first_line(exc)}") from None
     if answer != HELD:
         raise StreamRefused(f"stream {pull.address}: {answer}")
     try:
@@ -191,7 +183,7 @@ def _pull(pull: StreamPull, buffer: Callable[[int, WeightShard], torch.Tensor]) 
             group.recv([landing], 0, i).wait()
             buffers.append(landing)
     except RuntimeError as exc:
-        raise StreamRefused(f"stream {pull.address}: cut short ({_first_line(exc)})") from None
+        raise StreamRefused(f"stream {pull.address}: cut short ({first_line(exc)})") from None
     return buffers
 
 
@@ -212,24 +204,24 @@ def shard_tensors(buffer: torch.Tensor, shard: WeightShard, dtype: str) -> Itera
     check_shard(header_bytes, shard, dtype)
     header = json.loads(header_bytes[8:])
     start = len(header_bytes)
-    for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0] if kv[0] != "__metadata__"
-                             else -1):
+    for name, info in header.items():
         if name == "__metadata__":
             continue
         begin, end = info["data_offsets"]
         if start + end > buffer.numel():
             raise WeightsFormatError(f"shard {shard.ref.digest[:19]}: {name} runs past the shard's end")
         raw = buffer[start + begin : start + end]
-        kind = getattr(torch, _DTYPES[info["dtype"]])
+        kind = getattr(torch, SAFETENSORS_DTYPES[info["dtype"]])
         if (start + begin) % kind.itemsize:  # not aligned for a view: one copy of this tensor
             raw = raw.clone()
         yield name, raw.view(kind).view(info["shape"])
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """An exception's message in one line (torch's carry a C++ stack trace below it)."""
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
 
 
-__all__ = ["HELD", "StreamBackend", "StreamPull", "StreamRefused", "TICKETS", "pair_group", "receive",
-           "receive_files", "rendezvous", "shard_buffer", "shard_tensors", "split_address"]
+__all__ = ["HELD", "StreamBackend", "StreamPull", "StreamRefused", "TICKETS", "first_line", "pair_group",
+           "receive", "receive_files", "rendezvous", "shard_buffer", "shard_tensors", "split_address"]

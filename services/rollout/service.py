@@ -17,6 +17,7 @@ import sys
 import time
 import uuid
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -167,11 +168,11 @@ class RolloutWorkerService(Service):
 
         if not self.worker.wants(published.version):
             return None  # an older publication delivered late, or one loaded at start: not worth its download
+        fetch = partial(fetch_weights, self.blobs, published, stage_dir=self._weights_stage,
+                        node=self.settings.node_id, log=self.log)
         r = self.rollout
-        stream_timeout_s = r.weights_stream_timeout_s if r.weights_stream else None
         try:
-            fetched = await fetch_weights(self.blobs, published, stage_dir=self._weights_stage,
-                                          node=self.settings.node_id, log=self.log, stream_timeout_s=stream_timeout_s)
+            fetched = await fetch(stream_timeout_s=r.weights_stream_timeout_s if r.weights_stream else None)
         except WeightsGone as exc:
             newest = await self._newest_publication()
             if newest is None or newest.version <= published.version:
@@ -182,8 +183,7 @@ class RolloutWorkerService(Service):
             swap = await self.worker.apply_weights(published.version, fetched.weights)
         except StreamRefused as exc:  # the old weights still serve: the path of record brings the new ones
             self.log.warning("weights_stream_refused", version=published.version, detail=str(exc))
-            fetched = await fetch_weights(self.blobs, published, stage_dir=self._weights_stage,
-                                          node=self.settings.node_id, log=self.log)
+            fetched = await fetch()
             swap = await self.worker.apply_weights(published.version, fetched.weights)
         finally:
             fetched.discard()

@@ -44,6 +44,7 @@ from shared.logging import configure_logging
 from shared.runtime import Service
 from shared.settings import Settings, load_settings
 from shared.weights import MANIFEST_MEDIA_TYPE, SHARD_MEDIA_TYPE, local_name, manifest_for
+from shared.weights_stream import first_line
 
 T = TypeVar("T")
 
@@ -198,7 +199,7 @@ class RankService(Service):
                                            device="cuda" if o.weights_stream_backend == "nccl" else "cpu",
                                            timeout_s=o.weights_stream_timeout_s, log=self.log)
             except (RuntimeError, OSError, ValueError) as exc:
-                self.log.warning("weights_stream_unavailable", error=str(exc).strip().splitlines()[0][:200])
+                self.log.warning("weights_stream_unavailable", error=first_line(exc)[:200])
                 self.options = o.model_copy(update={"weights_stream": False})
                 return None
             self.log.info("weights_stream_listening", address=self.stream.address, backend=self.stream.backend)

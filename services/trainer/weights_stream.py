@@ -15,7 +15,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from shared.weights_stream import HELD, TICKETS, StreamBackend, pair_group, rendezvous, shard_buffer
+from shared.weights_stream import HELD, TICKETS, StreamBackend, first_line, pair_group, rendezvous, shard_buffer
 
 POLL_S = 0.02  # how often the serving thread looks for a new ticket
 
@@ -76,7 +76,7 @@ class StreamServer:
             self._note("weights_streamed", ticket=ticket, bytes=sum(len(s or b"") for s in shards),
                        seconds=round(time.perf_counter() - started, 3))
         except (RuntimeError, ValueError) as exc:  # the worker went away mid-pull: the next ticket is served
-            self._note("weights_stream_failed", ticket=ticket, error=str(exc).strip().splitlines()[0][:200])
+            self._note("weights_stream_failed", ticket=ticket, error=first_line(exc)[:200])
 
     def _note(self, what: str, **fields: Any) -> None:
         if self.log is not None:
