@@ -1,10 +1,11 @@
 """The warm start in Claude Code's own format: demonstrations of the learnable shell-task family built on Claude
-Code's recorded requests (its system prompt and 24 tool definitions as the CLI sends them, never retyped) and
+Code's recorded requests (its system prompt and tool definitions as the CLI sends them, never retyped) and
 rendered exactly as the gateway renders Claude Code's requests: parsed by the gateway's Anthropic adapter, then
 handed to the chat template with their tools. The model learns to answer with a `Bash` tool call that Claude
 Code runs, then to end its turn.
 
-Every demonstration shares the same ~30,000-token prefix; SFT's tree packing trains it once per step.
+Every demonstration shares the same long prefix (~30,000 tokens with Claude Code's default 24 tools, ~3,500 with
+Bash alone); SFT's tree packing trains it once per step.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from services.harness.claude_code_request import load_recording, put_instruction
+from services.harness.claude_code_request import load_recording, put_instruction, recording_for
 from services.harness.demos import DemoInstance, sample_instances, shipped_params
 from services.rollout.anthropic_api import parse_request
 
@@ -49,9 +50,10 @@ def demo_record(instance: DemoInstance, recording: dict[str, Any]) -> dict[str, 
 
 
 def write_claude_code_demos(out: Path, *, seed: int, count: int, families: Sequence[str],
-                            slip_rate: float = 0.0) -> int:
-    """Write `count` demonstrations in Claude Code's format to `out` (JSONL); the shipped tasks are held out."""
-    recording = load_recording()
+                            slip_rate: float = 0.0, tools: Sequence[str] = ()) -> int:
+    """Write `count` demonstrations in Claude Code's format to `out` (JSONL), built on its recorded requests with
+    `tools` (empty: its default set); the shipped tasks are held out."""
+    recording = load_recording(recording_for(tools))
     instances = sample_instances(seed=seed, count=count, families=families,
                                  exclude=list(shipped_params().values()), slip_rate=slip_rate)
     out.parent.mkdir(parents=True, exist_ok=True)

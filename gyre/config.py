@@ -52,11 +52,28 @@ class HarnessSection(_Section):
     # the run expects there; a different installed version is an error, not a silent change of agent.
     claude_code_dir: Path = Path(".cache/claude-code")
     claude_code_version: str | None = None
+    # The built-in tools Claude Code offers the model (its --tools; empty: its default set of 24, whose
+    # definitions make its first request ~30,100 tokens with the tiny model's tokenizer). A set other than the
+    # default needs a recording of its requests (`gyre harness record-claude-code --tools ...`).
+    claude_code_tools: list[str] = Field(default_factory=list)
     concurrency: int = Field(default=4, ge=1)  # executions the harness runs at once
     sandbox: Literal["auto", "bwrap", "unshare", "docker"] = "auto"
     # Docker: where each task Dockerfile's FROM comes from, `ref=image,...,*=default` (no registry is reachable;
     # empty: everything onto the local gyre-base:bookworm that deploy/docker-engine.sh builds).
     base_images: str = ""
+
+    @field_validator("claude_code_tools")
+    @classmethod
+    def _claude_code_tools(cls, value: list[str]) -> list[str]:
+        from services.harness.claude_code_request import load_recording
+
+        known = [tool["name"] for tool in load_recording()["request"].get("tools", [])]
+        for name in value:
+            if name not in known:
+                near = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
+                raise ValueError(f"{name!r} is not one of Claude Code's tools"
+                                 f"{f'; did you mean {near[0]!r}?' if near else ''}")
+        return value
 
     @field_validator("base_images")
     @classmethod
@@ -218,6 +235,7 @@ VARIABLES: dict[str, tuple[str, ...]] = {
     "tasks.train": ("GYRE_SCHEDULER_TASK_IDS",),
     "harness.kind": ("GYRE_HARNESS_HARNESS",),
     "harness.claude_code_dir": ("GYRE_HARNESS_CLAUDE_CODE_DIR",),
+    "harness.claude_code_tools": ("GYRE_HARNESS_CLAUDE_CODE_TOOLS",),
     "harness.concurrency": ("GYRE_HARNESS_CONCURRENCY",),
     "harness.sandbox": ("GYRE_HARNESS_BACKEND",),
     "harness.base_images": ("GYRE_HARNESS_BASE_IMAGES",),
@@ -252,7 +270,8 @@ VARIABLES: dict[str, tuple[str, ...]] = {
     "optim.drop_zero_variance": ("GYRE_DROP_ZERO_VARIANCE",),
     "logging.level": ("GYRE_LOG_LEVEL",),
 }
-LIST_SETTINGS = frozenset({"tasks.train", "tasks.held_out", "logging.trackers", "warm_start.families"})
+LIST_SETTINGS = frozenset({"tasks.train", "tasks.held_out", "logging.trackers", "warm_start.families",
+                           "harness.claude_code_tools"})
 
 
 def leaves(model: type[BaseModel], prefix: str = "") -> Iterator[str]:

@@ -52,7 +52,10 @@ class RunPlan:
         calls = "unbounded" if c.budgets.calls is None else str(c.budgets.calls)
         wall = "the task's own timeout" if c.budgets.wall_s is None else f"{c.budgets.wall_s:g} s"
         prompt = "" if self.first_prompt_tokens is None else f"; first prompt {self.first_prompt_tokens:,} tokens"
-        out.append(f"harness    {c.harness.kind} × {c.harness.concurrency} at once, sandbox {c.harness.sandbox}"
+        tools = ""
+        if c.harness.kind == "claude-code":
+            tools = f" (tools: {','.join(c.harness.claude_code_tools) or 'its default set'})"
+        out.append(f"harness    {c.harness.kind}{tools} × {c.harness.concurrency} at once, sandbox {c.harness.sandbox}"
                    f"{prompt}")
         out.append(f"budgets    {calls} calls, {wall}, {c.budgets.reply_tokens} tokens per reply per execution")
         s = c.scheduling
@@ -143,9 +146,13 @@ def _model_dir(plan: RunPlan, scratch: Path) -> Path | None:
 def _first_request(plan: RunPlan, instruction: str) -> dict[str, Any] | None:
     c = plan.config
     if c.harness.kind == "claude-code":
-        from services.harness.claude_code_request import recorded_first_request
+        from services.harness.claude_code_request import NoRecording, recorded_first_request, recording_for
 
-        return recorded_first_request(instruction)[1]
+        try:
+            return recorded_first_request(instruction, recording_for(c.harness.claude_code_tools))[1]
+        except NoRecording as exc:
+            plan.errors.append(f"harness.claude_code_tools: {exc}")
+            return None
     from services.harness.agent_core import AgentConfig, first_request
 
     return first_request(AgentConfig(model=c.model.served_name, max_tokens=c.budgets.reply_tokens), instruction)
@@ -167,7 +174,10 @@ def _chat_template(plan: RunPlan, model_dir: Path, instructions: list[str]) -> N
         plan.errors.append(f"model.path: {name}: its tokenizer does not load: {type(exc).__name__}: "
                            f"{str(exc).splitlines()[0] if str(exc) else ''}")
         return
-    request = parse_request(_first_request(plan, max(instructions, key=len, default="Solve the task.")))
+    body = _first_request(plan, max(instructions, key=len, default="Solve the task."))
+    if body is None:
+        return
+    request = parse_request(body)
     try:
         prompt = codec.render(request.conversation, add_generation_prompt=True)
     except Exception as exc:  # a Jinja error: the template has no way to show tools

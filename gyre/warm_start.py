@@ -34,7 +34,7 @@ def warm_start(python: str, base: Path, run_dir: Path, config: RunConfig, env: d
         from gyre.claude_code_demos import write_claude_code_demos
 
         count = write_claude_code_demos(data, seed=config.seed, count=count, families=families,
-                                        slip_rate=options.slip_rate)
+                                        slip_rate=options.slip_rate, tools=config.harness.claude_code_tools)
     else:
         from services.harness.demos import write_demos
 

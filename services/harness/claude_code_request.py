@@ -2,7 +2,8 @@
 server (its system prompt and tool definitions, never retyped; its first request, and the one after a Bash call
 with the call echoed and its result), shipped as a fixture, and read back with a task's instruction in place of
 the recorded one. The run plan sizes the model's context from the first; the warm start's demonstrations are
-built on the second.
+built on the second. One recording per set of tools Claude Code is given (`--tools`): its default set, and any
+other a config names (`gyre harness record-claude-code --tools Bash`).
 """
 
 from __future__ import annotations
@@ -16,16 +17,37 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 from services.harness.external_harness import claude_code, command_line
 
-RECORDED = Path(__file__).parent / "fixtures" / "claude_code_first_request.json.gz"
+RECORDED = Path(__file__).parent / "fixtures" / "claude_code_first_request.json.gz"  # its default set of tools
 RECORDED_INSTRUCTION = "Create a file hello.txt containing hi."
 
 
 class ClaudeCodeNotRecorded(RuntimeError):
     """The CLI ended without sending a model request the capture server could read."""
+
+
+class NoRecording(LookupError):
+    """No recording was made of Claude Code's requests with this set of tools."""
+
+
+def recording_path(tools: Sequence[str] = ()) -> Path:
+    """Where the recording of Claude Code's requests with `tools` (empty: its default set) is kept."""
+    if not tools:
+        return RECORDED
+    return RECORDED.with_name(f"claude_code_first_request.{'+'.join(sorted(tools))}.json.gz")
+
+
+def recording_for(tools: Sequence[str] = ()) -> Path:
+    """The recording with `tools`; NoRecording, naming the command that makes it, when there is none."""
+    path = recording_path(tools)
+    if not path.is_file():
+        raise NoRecording(f"no recording of Claude Code's requests with tools {','.join(tools)} "
+                          f"(make it with `gyre harness record-claude-code --tools {','.join(tools)}`)")
+    return path
 
 
 def installed_version(install_dir: Path) -> str | None:
@@ -70,11 +92,12 @@ def _capture_server(bodies: list[dict[str, Any]]) -> http.server.ThreadingHTTPSe
     return http.server.ThreadingHTTPServer(("127.0.0.1", 0), Capture)
 
 
-def record_first_request(install_dir: Path, *, model: str = "gyre-tiny", timeout_s: float = 120.0) -> dict[str, Any]:
-    """Run the installed Claude Code (as the harness's preset runs it: the same flags, variables and home files)
-    once against a capture server, and return the recording: its first model request, and the request it sent
-    after running the Bash call the server answered with."""
-    preset = claude_code(install_dir.resolve(), model)
+def record_first_request(install_dir: Path, *, tools: Sequence[str] = (), model: str = "gyre-tiny",
+                         timeout_s: float = 120.0) -> dict[str, Any]:
+    """Run the installed Claude Code (as the harness's preset runs it: the same flags, variables and home files,
+    offering `tools`) once against a capture server, and return the recording: its first model request, and the
+    request it sent after running the Bash call the server answered with."""
+    preset = claude_code(install_dir.resolve(), model, tools=tools)
     bodies: list[dict[str, Any]] = []
     server = _capture_server(bodies)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -97,7 +120,7 @@ def record_first_request(install_dir: Path, *, model: str = "gyre-tiny", timeout
     if len(bodies) < 2:
         raise ClaudeCodeNotRecorded(f"Claude Code exited {done.returncode} after {len(bodies)} model requests, "
                                     f"expected 2: {(done.stderr or done.stdout).strip()[-300:]}")
-    return {"version": installed_version(install_dir), "instruction": RECORDED_INSTRUCTION,
+    return {"version": installed_version(install_dir), "tools": list(tools), "instruction": RECORDED_INSTRUCTION,
             "command": RECORDED_COMMAND, "request": bodies[0], "after_bash": bodies[1]}
 
 
@@ -130,5 +153,6 @@ def put_instruction(body: dict[str, Any], recording: dict[str, Any], instruction
                 part["text"] = instruction
 
 
-__all__ = ["RECORDED", "ClaudeCodeNotRecorded", "installed_version", "load_recording", "put_instruction",
-           "record_first_request", "recorded_first_request", "save_recording"]
+__all__ = ["RECORDED", "ClaudeCodeNotRecorded", "NoRecording", "installed_version", "load_recording",
+           "put_instruction", "record_first_request", "recorded_first_request", "recording_for", "recording_path",
+           "save_recording"]

@@ -129,15 +129,20 @@ def check_all(tasks_dir: Path = Path("tasks"), backend: Backend = "auto", base_i
 def record_claude_code(
     install_dir: Annotated[Path, typer.Option(help="Folder holding node_modules/@anthropic-ai/claude-code")] = Path(
         ".cache/claude-code"),
+    tools: Annotated[str, typer.Option(help="The built-in tools it offers, comma-separated (its --tools); "
+                                            "empty: its default set")] = "",
 ) -> None:
-    """Record the installed Claude Code's first request (the fixture the run plan sizes the context from)."""
-    from services.harness.claude_code_request import RECORDED, record_first_request, save_recording
+    """Record the installed Claude Code's first request (the fixture the run plan sizes the context from and the
+    warm start builds its demonstrations on), with its default tools or `--tools`."""
+    from services.harness.claude_code_request import record_first_request, recording_path, save_recording
 
-    recording = record_first_request(install_dir)
-    save_recording(recording)
+    chosen = [t.strip() for t in tools.split(",") if t.strip()]
+    recording = record_first_request(install_dir, tools=chosen)
+    path = recording_path(chosen)
+    save_recording(recording, path)
     request = recording["request"]
     typer.echo(f"Claude Code {recording['version']}: {len(request.get('tools', []))} tools, "
-               f"{len(json.dumps(request)):,} bytes -> {RECORDED}")
+               f"{len(json.dumps(request)):,} bytes -> {path}")
 
 
 @harness_app.command("gen-tasks")
@@ -207,6 +212,8 @@ def run_cmd(
     harness: Annotated[str, typer.Option(help="builtin, claude-code, or command")] = "builtin",
     command: Annotated[str | None, typer.Option(help="For --harness command: a bash command line; the task text is in $GYRE_INSTRUCTION")] = None,
     claude_code_dir: Annotated[Path | None, typer.Option(help="Folder holding node_modules/@anthropic-ai/claude-code")] = None,
+    claude_code_tools: Annotated[str, typer.Option(help="The built-in tools Claude Code offers, comma-separated "
+                                                        "(its --tools); empty: its default set")] = "",
     state_dir: Annotated[Path | None, typer.Option(help="Where the sandbox's state (the preserved work) goes")] = None,
     max_calls: Annotated[int | None, typer.Option(help="Call budget")] = None,
     wall_clock_s: Annotated[float | None, typer.Option(help="Wall-clock budget (capped by the task's)")] = None,
@@ -225,7 +232,8 @@ def run_cmd(
         case "claude-code":
             if claude_code_dir is None:
                 raise typer.BadParameter("--claude-code-dir is required for --harness claude-code")
-            chosen = claude_code(claude_code_dir.resolve(), model)
+            chosen = claude_code(claude_code_dir.resolve(), model,
+                                 tools=[t.strip() for t in claude_code_tools.split(",") if t.strip()])
         case "command":
             if not command:
                 raise typer.BadParameter("--command is required for --harness command")

@@ -6,7 +6,7 @@ flags). Pure: no I/O; external.py runs them.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -60,9 +60,11 @@ def command_line(harness: ExternalHarness, instruction: str) -> list[str]:
     return [part.replace(INSTRUCTION_PLACEHOLDER, instruction) for part in harness.command]
 
 
-def claude_code(install_dir: Path, model: str, *, extra_args: tuple[str, ...] = ()) -> ExternalHarness:
+def claude_code(install_dir: Path, model: str, *, tools: Sequence[str] = (),
+                extra_args: tuple[str, ...] = ()) -> ExternalHarness:
     """Claude Code, headless, against the gateway: install_dir (absolute, since the sandbox binds it at the same
-    path) holds node_modules/@anthropic-ai/claude-code."""
+    path) holds node_modules/@anthropic-ai/claude-code. `tools` names the built-in tools it offers the model
+    (its `--tools`); empty, its default set."""
     if not install_dir.is_absolute():
         raise ValueError(f"expected an absolute Claude Code install folder, got {str(install_dir)!r}")
     exe = install_dir / CLAUDE_CODE_EXE
@@ -83,6 +85,7 @@ def claude_code(install_dir: Path, model: str, *, extra_args: tuple[str, ...] = 
             "bypassPermissions",
             "--output-format",
             "json",
+            *(("--tools", ",".join(tools)) if tools else ()),
             *extra_args,
         ),
         env={

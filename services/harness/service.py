@@ -21,10 +21,10 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from services.harness.agent_core import AgentConfig, Branch, Budget
 from services.harness.call_account import CallAccount, call_account
@@ -89,6 +89,8 @@ class HarnessSettings(BaseSettings):
     concurrency: int = 2
     harness: Literal["builtin", "claude-code"] = "builtin"
     claude_code_dir: Path = Path(".cache/claude-code")
+    # The built-in tools Claude Code offers the model (its --tools), comma-separated; empty: its default set.
+    claude_code_tools: Annotated[list[str], NoDecode] = Field(default_factory=list)
     wall_budget_s: float | None = None
     call_budget: int | None = None
     max_tokens: int = 256
@@ -99,6 +101,11 @@ class HarnessSettings(BaseSettings):
     backend: str = "auto"
     # The Docker backend's base-image map, `ref=image,...,*=default` (services.harness.task_images.BaseImageMap).
     base_images: str = ""
+
+    @field_validator("claude_code_tools", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        return [t.strip() for t in value.split(",") if t.strip()] if isinstance(value, str) else value
 
 
 class HarnessService(Service):
@@ -165,7 +172,7 @@ class HarnessService(Service):
         if name == "claude-code":
             from services.harness.external_harness import claude_code
 
-            return claude_code(self.h.claude_code_dir.resolve(), self.h.model_name)
+            return claude_code(self.h.claude_code_dir.resolve(), self.h.model_name, tools=self.h.claude_code_tools)
         return BuiltinHarness(
             agent=AgentConfig(
                 model=self.h.model_name, max_tokens=self.h.max_tokens, compact_at_tokens=self.h.compact_at_tokens,

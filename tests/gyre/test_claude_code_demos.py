@@ -10,7 +10,7 @@ import pytest
 
 from gyre.claude_code_demos import FINAL_TEXT, demo_record, demo_request, write_claude_code_demos
 from gyre.run_plan import LEARNABLE_FAMILIES
-from services.harness.claude_code_request import load_recording
+from services.harness.claude_code_request import load_recording, recording_for
 from services.harness.demos import make_instance, sample_instances
 from services.rollout.anthropic_api import parse_request
 from services.rollout.codec import TokenizerCodec
@@ -42,10 +42,13 @@ def test_a_demonstration_is_claude_codes_own_request_with_a_bash_call_and_a_fina
                 if p.get("type") == "tool_use"]
 
 
-def test_sft_renders_each_demonstrated_turn_after_the_prompt_the_gateway_would_build(tokenizer) -> None:
+@pytest.mark.parametrize(("tools", "shortest"), [((), 20_000), (("Bash",), 3_000)],
+                         ids=["default-tools", "bash-only"])
+def test_sft_renders_each_demonstrated_turn_after_the_prompt_the_gateway_would_build(tokenizer, tools,
+                                                                                      shortest) -> None:
     """For each assistant turn: the SFT ids up to it are the gateway's prompt for the request Claude Code sends
     there (rendered from the same parsed request, with its tools), and the turn's tokens are the targets."""
-    recording = load_recording()
+    recording = load_recording(recording_for(tools))
     codec = TokenizerCodec(tokenizer)
     for instance in sample_instances(seed=1, count=3, families=LEARNABLE_FAMILIES, slip_rate=0.5):
         body = demo_request(instance, recording)
@@ -59,7 +62,7 @@ def test_sft_renders_each_demonstrated_turn_after_the_prompt_the_gateway_would_b
             prompt = codec.encode(codec.render(conversation, add_generation_prompt=True))
             assert rendered.ids[: len(prompt)] == prompt
             assert rendered.target[len(prompt)] and not rendered.target[len(prompt) - 1]
-        assert len(prompt) > 20_000  # Claude Code's own system prompt and tools, not a summary of them
+        assert len(prompt) > shortest  # Claude Code's own system prompt and tools, not a summary of them
 
 
 def test_written_demonstrations_load_with_their_tools(tmp_path: Path, tokenizer) -> None:
@@ -71,3 +74,5 @@ def test_written_demonstrations_load_with_their_tools(tmp_path: Path, tokenizer)
     messages, tools = records[0]
     with_tools = render_conversation(tokenizer, messages, tools)
     assert len(with_tools.ids) > len(render_conversation(tokenizer, messages).ids)
+    assert write_claude_code_demos(out, seed=0, count=2, families=LEARNABLE_FAMILIES, tools=["Bash"]) == 2
+    assert all([t["function"]["name"] for t in tools] == ["Bash"] for _, tools in load_records(out))

@@ -57,6 +57,8 @@ BAD = [
      "optim.micro_batch_tokens: 4096 is below model.max_model_len 40960"),
     ("scheduling:\n  kv_tokens_per_cell: 4096\n",
      "scheduling.kv_tokens_per_cell: 4096 cannot hold one sequence of model.max_model_len 8192"),
+    ("harness:\n  claude_code_tools: [Bsh]\n",
+     "harness.claude_code_tools: 'Bsh' is not one of Claude Code's tools; did you mean 'Bash'?"),
     ("scheduling:\n  kv_tokens_per_cell: 16384\n  mode: async\n  group_size: 2\n",
      "scheduling.kv_tokens_per_cell: 16384 holds 1 session(s) a cell (8,192 tokens reserved each, at the 90% fill), "
      "1 on async's 1 rollout cell(s): fewer than a query's group_size 2"),
@@ -81,6 +83,9 @@ PLAN_ERRORS = [
     ({"harness": {"kind": "claude-code", "claude_code_dir": "/nonexistent"}},
      "harness.claude_code_dir: no Claude Code under /nonexistent"),
     ({"warm_start": {"model": "/nonexistent/sft"}}, "warm_start.model: /nonexistent/sft is not a model folder"),
+    ({"harness": {"kind": "claude-code", "claude_code_tools": ["Bash", "Read"]}},
+     "harness.claude_code_tools: no recording of Claude Code's requests with tools Bash,Read (make it with "
+     "`gyre harness record-claude-code --tools Bash,Read`)"),
 ]
 
 
@@ -126,6 +131,10 @@ def test_variables_and_set_override_the_file_in_that_order(tmp_path: Path) -> No
     assert config.optim.lr == 3e-5 and sources["optim.lr"] == "command line"
     assert config.tasks.train == ["c", "d"]
     assert config.scheduling.warm is False
+    tools = load_config(None, environ={"GYRE_HARNESS_CLAUDE_CODE_TOOLS": "Bash, Read"},
+                        overrides={"harness.kind": "claude-code"})[0]
+    assert tools.harness.claude_code_tools == ["Bash", "Read"]
+    assert cfg.environment(tools, Path("m"), ["t"])["GYRE_HARNESS_CLAUDE_CODE_TOOLS"] == "Bash,Read"
     with pytest.raises(ConfigError, match="GYRE_MODE: scheduling.mode"):
         load_config(path, environ={"GYRE_MODE": "fast"})
     assert cfg.parse_sets(["scheduling.steps=3", "tasks.train=a,b"]) == {"scheduling.steps": "3", "tasks.train": "a,b"}

@@ -94,7 +94,8 @@ def claude_reply(body: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.mark.skipif(claude_code_dir() is None, reason="Claude Code is not installed (set GYRE_CLAUDE_CODE_DIR to the folder holding node_modules/@anthropic-ai/claude-code)")
-def test_claude_code_in_sandbox_runs_bash_and_is_graded(tmp_path: Path, best_backend: str) -> None:
+@pytest.mark.parametrize("tools", [(), ("Bash",)], ids=["default-tools", "bash-only"])
+def test_claude_code_in_sandbox_runs_bash_and_is_graded(tmp_path: Path, best_backend: str, tools: tuple[str, ...]) -> None:
     install = claude_code_dir()
     assert install is not None
     task = load_task(TASKS / "create-file-1")
@@ -102,7 +103,7 @@ def test_claude_code_in_sandbox_runs_bash_and_is_graded(tmp_path: Path, best_bac
         result = run_execution(
             execution_id="execution-claude",
             task=task,
-            harness=claude_code(install, "tiny"),
+            harness=claude_code(install, "tiny", tools=tools),
             gateway=GatewayAccess(base_url=server.base_url, token=TOKEN, model="tiny"),
             state_dir=tmp_path / "state",
             backend=best_backend,
@@ -110,6 +111,8 @@ def test_claude_code_in_sandbox_runs_bash_and_is_graded(tmp_path: Path, best_bac
     assert result.external is not None and result.external.exit_code == 0, result.external
     assert any(h.get("authorization") == f"Bearer {TOKEN}" for h in server.headers)
     assert result.grade.score == 1.0
+    offered = {t["name"] for request in server.requests for t in request.get("tools", [])}
+    assert offered == {"Bash"} if tools else len(offered) > 10
 
 
 def test_the_claude_code_preset_binds_an_absolute_install_folder_only(tmp_path: Path) -> None:
@@ -119,3 +122,5 @@ def test_the_claude_code_preset_binds_an_absolute_install_folder_only(tmp_path: 
     assert preset.ro_paths == (str(tmp_path),) and preset.command[0].startswith(str(tmp_path))
     with pytest.raises(ValueError, match="expected an absolute Claude Code install folder"):
         claude_code(Path(".cache/claude-code"), "tiny")
+    assert "--tools" not in preset.command
+    assert claude_code(tmp_path, "tiny", tools=["Bash", "Read"]).command[-2:] == ("--tools", "Bash,Read")

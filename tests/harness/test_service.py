@@ -338,7 +338,11 @@ def test_the_harness_a_dispatch_names_is_the_one_that_runs(tmp_path: Path) -> No
 
     service = HarnessService(Settings(run_id="r"), HarnessSettings(harness="builtin", claude_code_dir=tmp_path))
     assert isinstance(service.harness_config(), BuiltinHarness)
-    assert isinstance(service.harness_config("claude-code"), ExternalHarness)
+    chosen = service.harness_config("claude-code")
+    assert isinstance(chosen, ExternalHarness) and "--tools" not in chosen.command
+    bash_only = HarnessService(Settings(run_id="r"), HarnessSettings(claude_code_dir=tmp_path,
+                                                                     claude_code_tools="Bash"))  # as the variable
+    assert bash_only.harness_config("claude-code").command[-2:] == ("--tools", "Bash")
     with pytest.raises(ValueError, match="unknown harness 'codex'"):
         service.harness_config("codex")
 
