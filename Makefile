@@ -11,8 +11,8 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export VLLM_CACHE_ROOT := $(CURDIR)/.cache/vllm
 export XDG_RUNTIME_DIR ?= $(CURDIR)/.cache/runtime
 CLAUDE_CODE_DIR := $(CURDIR)/.cache/claude-code
-# The pinned Claude Code: configs/claude-code.yaml expects it and its recorded first request
-# (services/harness/fixtures/) is this version's.
+# The pinned Claude Code: configs/claude-code*.yaml expect it and its recorded requests
+# (services/harness/fixtures/) are this version's.
 CLAUDE_CODE_VERSION := 2.1.197
 CLAUDE_STAMP := $(CLAUDE_CODE_DIR)/.installed-$(CLAUDE_CODE_VERSION)
 export GYRE_CLAUDE_CODE_DIR ?= $(CLAUDE_CODE_DIR)

@@ -1,7 +1,8 @@
-"""Claude Code in the loop on the real engine: `gyre run --config configs/claude-code.yaml` for one step of two
-executions of a shipped task. Each execution runs the pinned Claude Code CLI in its sandbox against the gateway,
-served by a vLLM CPU worker; its calls (Claude Code's own ~30,000-token requests) are recorded, its tree is
-built, the step trains, and `gyre replay --verify` rebuilds the batch from the log."""
+"""Claude Code in the loop on the real engine: `gyre run --config configs/claude-code-all-tools.yaml` (Claude
+Code with its default 24 tools) for one step of two executions of a shipped task. Each execution runs the pinned
+Claude Code CLI in its sandbox against the gateway, served by a vLLM CPU worker; its calls (Claude Code's own
+~30,000-token requests) are recorded, its tree is built, the step trains, and `gyre replay --verify` rebuilds the
+batch from the log."""
 
 from __future__ import annotations
 
@@ -32,8 +33,9 @@ async def test_one_step_of_claude_code_on_the_real_engine_trains_and_replays(sto
     sets = {"logging.runs_dir": runs, "harness.claude_code_dir": install, "scheduling.steps": 1,
             "scheduling.group_size": 2, "tasks.train": "uppercase-1", "warm_start.steps": 0, "budgets.calls": 3}
     args = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
-    done = subprocess.run([sys.executable, "-m", "gyre.cli", "run", "--config", "configs/claude-code.yaml", *args],
-                          env=env, capture_output=True, text=True, timeout=1400)
+    config = "configs/claude-code-all-tools.yaml"
+    done = subprocess.run([sys.executable, "-m", "gyre.cli", "run", "--config", config, *args], env=env,
+                          capture_output=True, text=True, timeout=1400)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-3000:]
     (run_dir,) = runs.iterdir()
     run_id = run_dir.name
