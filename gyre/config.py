@@ -67,6 +67,8 @@ class HarnessSection(_Section):
     def _claude_code_tools(cls, value: list[str]) -> list[str]:
         from services.harness.claude_code_request import load_recording
 
+        if not value:
+            return value
         known = [tool["name"] for tool in load_recording()["request"].get("tools", [])]
         for name in value:
             if name not in known:
