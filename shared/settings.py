@@ -5,14 +5,29 @@ Precedence (highest first): explicit overrides, environment, the config file nam
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic import BeforeValidator, Field
+from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
+
+
+def split_names(value: Any) -> Any:
+    """Comma-separated names (`a, b`) or a JSON list as a list of names; anything else as it is."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if text.startswith("["):
+        return json.loads(text)
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+# A list setting whose `GYRE_…` variable is comma-separated names (`a,b`) or a JSON list.
+NameList = Annotated[list[str], NoDecode, BeforeValidator(split_names)]
 
 
 class SettingsError(Exception):

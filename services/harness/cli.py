@@ -135,8 +135,9 @@ def record_claude_code(
     """Record the installed Claude Code's first request (the fixture the run plan sizes the context from and the
     warm start builds its demonstrations on), with its default tools or `--tools`."""
     from services.harness.claude_code_request import record_first_request, recording_path, save_recording
+    from shared.settings import split_names
 
-    chosen = [t.strip() for t in tools.split(",") if t.strip()]
+    chosen = split_names(tools)
     recording = record_first_request(install_dir, tools=chosen)
     path = recording_path(chosen)
     save_recording(recording, path)
@@ -223,6 +224,7 @@ def run_cmd(
     # The agent and its SDK load here, not with the CLI: `--help` answers without them.
     from services.harness.execution import BuiltinHarness, run_execution
     from services.harness.external_harness import ExternalHarness, GatewayAccess, claude_code
+    from shared.settings import split_names
 
     task = _load(task_dir)
     chosen: Harness
@@ -232,8 +234,7 @@ def run_cmd(
         case "claude-code":
             if claude_code_dir is None:
                 raise typer.BadParameter("--claude-code-dir is required for --harness claude-code")
-            chosen = claude_code(claude_code_dir.resolve(), model,
-                                 tools=[t.strip() for t in claude_code_tools.split(",") if t.strip()])
+            chosen = claude_code(claude_code_dir.resolve(), model, tools=split_names(claude_code_tools))
         case "command":
             if not command:
                 raise typer.BadParameter("--command is required for --harness command")

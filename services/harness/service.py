@@ -21,10 +21,10 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.harness.agent_core import AgentConfig, Branch, Budget
 from services.harness.call_account import CallAccount, call_account
@@ -51,7 +51,7 @@ from shared.events import (
 from shared.execution_tokens import derive_execution_token
 from shared.gateways import gateway_for, gateway_urls
 from shared.runtime import Service
-from shared.settings import Settings
+from shared.settings import NameList, Settings
 
 END_TYPES = ("execution.finished", "execution.timed_out")
 # An execution whose harness keeps stopping under it is given up (an infrastructure failure) after this many resumes.
@@ -90,7 +90,7 @@ class HarnessSettings(BaseSettings):
     harness: Literal["builtin", "claude-code"] = "builtin"
     claude_code_dir: Path = Path(".cache/claude-code")
     # The built-in tools Claude Code offers the model (its --tools), comma-separated; empty: its default set.
-    claude_code_tools: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    claude_code_tools: NameList = Field(default_factory=list)
     wall_budget_s: float | None = None
     call_budget: int | None = None
     max_tokens: int = 256
@@ -101,11 +101,6 @@ class HarnessSettings(BaseSettings):
     backend: str = "auto"
     # The Docker backend's base-image map, `ref=image,...,*=default` (services.harness.task_images.BaseImageMap).
     base_images: str = ""
-
-    @field_validator("claude_code_tools", mode="before")
-    @classmethod
-    def _split(cls, value: Any) -> Any:
-        return [t.strip() for t in value.split(",") if t.strip()] if isinstance(value, str) else value
 
 
 class HarnessService(Service):

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import re
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.scheduler.plan import PlanError, QueryPlan, query_stream
 from services.scheduler.policies import (
@@ -38,7 +38,7 @@ from shared.cells import Role
 from shared.events import CellAssigned, Event, KvMigrationOrdered, stream_id_for
 from shared.logging import configure_logging
 from shared.runtime import Service, utcnow
-from shared.settings import Settings, load_settings
+from shared.settings import NameList, Settings, load_settings
 from shared.store import ConcurrencyConflict
 
 
@@ -52,7 +52,7 @@ class SchedulerSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="GYRE_SCHEDULER_", extra="ignore", frozen=True)
 
-    task_ids: Annotated[list[str], NoDecode] = Field(default_factory=list)  # comma-separated or a JSON list
+    task_ids: NameList = Field(default_factory=list)  # comma-separated or a JSON list
     task_order: Literal["round_robin", "seeded"] = "round_robin"
     queries_per_step: int = Field(default=1, ge=1)
     total_steps: int = Field(default=1, ge=0)
@@ -78,18 +78,6 @@ class SchedulerSettings(BaseSettings):
     elastic_min_dwell_s: float = Field(default=300.0, ge=0)
     elastic_train_horizon_s: float = Field(default=1_200.0, gt=0)
     elastic_margin: int = Field(default=2, ge=0)
-
-    @field_validator("task_ids", mode="before")
-    @classmethod
-    def _split(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            import json
-
-            text = value.strip()
-            if text.startswith("["):
-                return json.loads(text)
-            return [t.strip() for t in text.split(",") if t.strip()]
-        return value
 
 
 class SchedulerService(Service):

@@ -14,13 +14,14 @@ import torch
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(not torch.cuda.is_available(),
+                       reason="no CUDA device on this machine (CI has none; deploy/gpu-check.sh runs these on a GPU)"),
 ]
 if TYPE_CHECKING:
     from services.trainer.weights_stream import StreamServer
     from shared.weights_stream import StreamPull
 
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="fewer than two CUDA devices on this machine")
 
 
 def test_tree_packing_with_flex_attention_on_cuda_equals_dense() -> None:
