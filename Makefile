@@ -8,7 +8,9 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export VLLM_CPU_KVCACHE_SPACE ?= 1
+# Caches every run and test on the machine shares, each keyed by its inputs (gyre/launcher.py: engine_caches).
 export VLLM_CACHE_ROOT := $(CURDIR)/.cache/vllm
+export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/.cache/torchinductor
 export XDG_RUNTIME_DIR ?= $(CURDIR)/.cache/runtime
 CLAUDE_CODE_DIR := $(CURDIR)/.cache/claude-code
 # The pinned Claude Code: configs/claude-code*.yaml expect it and its recorded requests

@@ -141,7 +141,8 @@ async def _drain_round(wa: Any, wb: Any, sessions: int, tokens: int, rng: np.ran
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from gyre.tinymodel import create_tiny_model
-    from services.rollout.engine import VllmConfig, VllmEngine, default_kv_storage, prepare_cpu_environment
+    from services.rollout.engine import VllmConfig, VllmEngine
+    from services.rollout.engine_environment import default_kv_storage, prepare_cpu_environment
     from services.rollout.transport import NatsKvTransport
     from services.rollout.worker import RolloutWorker
     from shared.bus import Bus

@@ -234,7 +234,8 @@ async def _migration(args: argparse.Namespace, a: Any, b: Any, log: dict[str, An
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from gyre.local import EmbeddedNats, EmbeddedPostgres
     from gyre.tinymodel import create_tiny_model
-    from services.rollout.engine import VllmConfig, VllmEngine, prepare_cpu_environment
+    from services.rollout.engine import VllmConfig, VllmEngine
+    from services.rollout.engine_environment import prepare_cpu_environment
 
     work = Path(tempfile.mkdtemp(prefix="gyre-bench-rollout-"))
     prepare_cpu_environment(work / "vllm")

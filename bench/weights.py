@@ -78,7 +78,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     from gyre.tinymodel import create_tiny_model
-    from services.rollout.engine import VllmConfig, VllmEngine, prepare_cpu_environment
+    from services.rollout.engine import VllmConfig, VllmEngine
+    from services.rollout.engine_environment import prepare_cpu_environment
     from services.rollout.worker import RolloutWorker
     from services.trainer.engine import PublishedShards
     from services.trainer.rank import LocalShards, store_publication

@@ -105,6 +105,7 @@ def prepare(
         "GYRE_TRAINER_CHECKPOINT_DIR": str(here / "checkpoints"),
         "GYRE_CELL_LOG_DIR": str(here / "logs" / "cells"),
         "VLLM_CACHE_ROOT": str(here / "cache" / "vllm"),
+        "TORCHINDUCTOR_CACHE_DIR": str(here / "cache" / "torchinductor"),
     }
     if mode == "object":  # nodes share nothing but the bus: the ranks' checkpoints go to the Object Store too
         env["GYRE_TRAINER_CHECKPOINT_STORE"] = "object"

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import os
 import re
 import secrets
 import signal
 import sys
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -42,6 +40,7 @@ from gyre.processes import (
     Proc,
     ServiceKeptDying,
     restart,
+    scratch_folder,
     serve_metrics,
     service_processes,
     start_all,
@@ -78,10 +77,7 @@ def run_environment(
 ) -> dict[str, str]:
     """The environment every process of one run shares: the config's settings as the `GYRE_…` variables the
     services read (gyre/config.py), and where this run's servers, folders and ports are."""
-    cache = run_dir / "cache"
-    cache.mkdir(parents=True, exist_ok=True)
-    # vLLM binds IPC sockets under TMPDIR and a socket path may not exceed 107 bytes: keep it short.
-    ipc = Path(tempfile.gettempdir()) / f"gyre-{hashlib.sha1(run_id.encode()).hexdigest()[:10]}"
+    ipc = scratch_folder(run_id)
     ipc.mkdir(parents=True, exist_ok=True)
     secret = token_secret or os.environ.get("GYRE_ROLLOUT_TOKEN_SECRET") or secrets.token_urlsafe(32)
     cells = config.scheduling.cells
@@ -107,12 +103,24 @@ def run_environment(
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-        "VLLM_CACHE_ROOT": str(cache / "vllm"),
+        **engine_caches(run_dir / "cache"),
         "TMPDIR": str(ipc),
         "PYTHONUNBUFFERED": "1",
     }
     env.update(extra or {})
     return env
+
+
+def engine_caches(fallback: Path) -> dict[str, str]:
+    """Where engines keep what they derive from their inputs alone (vLLM's model-class inspection, torch inductor's
+    compiled kernels): the folders the environment names when it names them (`make` names .cache/, so every run
+    and test on the machine shares them: each entry is keyed by its inputs' digest, and a second engine start skips
+    ~7 s of CPU inspecting the model class in a subprocess and the kernels' compile), else under `fallback`."""
+    caches = {"VLLM_CACHE_ROOT": os.environ.get("VLLM_CACHE_ROOT") or str(fallback / "vllm"),
+              "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(fallback / "torchinductor")}
+    for folder in caches.values():
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    return caches
 
 
 def loop_environment(

@@ -3,9 +3,12 @@ runs, started, restarted when it dies (it resumes from the log), and stopped wit
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,11 +92,19 @@ def start_all(procs: list[Proc], env: dict[str, str], log_dir: Path) -> None:
         proc.start(env, log_dir)
 
 
+def scratch_folder(run_id: str) -> Path:
+    """The run's folder for its engines' IPC sockets (their TMPDIR), under the system's temporary folder: a socket's
+    path may not exceed 107 bytes, which a deep run folder would. The same for a resumed run; removed by `stop_all`."""
+    return Path(tempfile.gettempdir()) / f"gyre-{hashlib.sha1(run_id.encode()).hexdigest()[:10]}"
+
+
 def stop_all(procs: list[Proc], run_id: str | None = None) -> None:
+    """Stop every process, then (given the run) any stray of it and its scratch folder, which nothing uses then."""
     for proc in reversed(procs):
         proc.stop()
     if run_id is not None:
         reap_strays(run_id)
+        shutil.rmtree(scratch_folder(run_id), ignore_errors=True)
 
 
 def reap_strays(run_id: str) -> list[int]:
@@ -133,4 +144,5 @@ def restart(proc: Proc, env: dict[str, str], log_dir: Path) -> None:
     proc.start(env, log_dir)
 
 
-__all__ = ["MAX_RESTARTS", "Proc", "ServiceKeptDying", "reap_strays", "restart", "service_processes", "start_all", "stop_all"]
+__all__ = ["MAX_RESTARTS", "Proc", "ServiceKeptDying", "reap_strays", "restart", "scratch_folder", "service_processes",
+           "start_all", "stop_all"]

@@ -52,6 +52,9 @@ from shared.store import EventStore
 
 EventHandler = Callable[[Event], Awaitable[Effects | None]]
 
+# How long a stopping service waits for its tasks (a handler finishing its message) before it cancels them.
+STOP_GRACE_S = 10.0
+
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
@@ -96,8 +99,13 @@ class Service:
     async def setup(self) -> None:
         """Register handlers with `self.on(...)` and start background work. Runs after connecting."""
 
+    def stopping(self) -> None:
+        """Tell background work that waits on something other than `stop_event` (a server, an event of its own) to
+        end. Runs once at shutdown, before the service waits for its tasks, so that none of them holds the stop up
+        for the whole grace period."""
+
     async def teardown(self) -> None:
-        """Release what `setup` acquired. Runs once on shutdown."""
+        """Release what `setup` acquired. Runs once on shutdown, after the tasks have ended."""
 
     def health(self) -> dict[str, Any]:
         return {}
@@ -187,8 +195,11 @@ class Service:
 
     async def stop(self) -> None:
         self.stop_event.set()
+        self.stopping()
         if self._tasks:
-            await asyncio.wait(self._tasks, timeout=10)
+            await asyncio.wait(self._tasks, timeout=STOP_GRACE_S)
+            if late := sorted(t.get_name() for t in self._tasks if not t.done()):
+                self.log.warning("tasks_cancelled_at_stop", tasks=late, grace_s=STOP_GRACE_S)
             for task in self._tasks:
                 task.cancel()
         try:

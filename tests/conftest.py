@@ -21,6 +21,7 @@ import sqlalchemy as sa
 from shared.bus import Bus
 from gyre.local import EmbeddedNats, EmbeddedPostgres
 from shared.store import EventStore, async_url, run_migrations
+from tests.timing import pytest_addoption, pytest_configure  # noqa: F401  (hooks: the slow tests' times)
 
 
 @dataclass

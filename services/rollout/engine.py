@@ -8,10 +8,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import os
-import re
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -31,25 +28,6 @@ def _prompt_key(prompt: list[int], block_size: int) -> str:
     from services.rollout.kv_connector import kv_folder_name
 
     return kv_folder_name(prompt, block_size)
-
-
-SHM = Path("/dev/shm")
-SHM_MIN_FREE_BYTES = 1 << 30
-
-
-def default_kv_storage(state_dir: Path, run_id: str, worker_id: str, *, shm: Path = SHM) -> Path:
-    """Where a worker's KV in transit goes when no folder is set: the node's shared memory (a tmpfs) when it is
-    writable and has a GiB free, else the state folder. The connector writes a session's KV there and the
-    engine packs it at once (and the reverse on the target): on this machine's disk a 16K-token save took
-    0.09 s, in /dev/shm 0.06-0.07 s (docs/rollout.md). Containers get a small /dev/shm unless given one
-    (compose's `shm_size`, a memory `emptyDir` on Kubernetes)."""
-    try:
-        usable = shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free >= SHM_MIN_FREE_BYTES
-    except OSError:
-        usable = False
-    if usable:
-        return shm / "gyre-kv" / re.sub(r"[^A-Za-z0-9_.-]", "-", run_id) / worker_id
-    return state_dir / "kv" / worker_id
 
 
 @dataclass(frozen=True)
@@ -86,31 +64,6 @@ def _on_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return bool(current_platform.is_cpu())
-
-
-IPC_FOLDER_MAX_CHARS = 60  # a socket path is at most 107 bytes, and vLLM adds a 36-character name and a scheme
-
-
-def ipc_folder(preferred: Path) -> Path:
-    """The folder for the engine's IPC sockets: `preferred` when its path leaves room for a socket's name, else a
-    new short folder under the system's temporary folder (a deep work folder, as a test worker's, would not)."""
-    if len(str(preferred.absolute())) <= IPC_FOLDER_MAX_CHARS:
-        preferred.mkdir(parents=True, exist_ok=True)
-        return preferred
-    return Path(tempfile.mkdtemp(prefix="gyre-ipc-", dir="/tmp"))
-
-
-def prepare_cpu_environment(work_dir: Path) -> None:
-    """vLLM on CPU must not write to ~/.cache or leave IPC sockets in /tmp (ENVIRONMENT.md)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    cache = work_dir / "cache"
-    cache.mkdir(parents=True, exist_ok=True)
-    if "TMPDIR" not in os.environ:
-        os.environ["TMPDIR"] = str(ipc_folder(work_dir / "tmp"))
-    os.environ.setdefault("VLLM_CACHE_ROOT", str(cache))
-    # Weight reload sends a closure to the engine process; V1 needs pickle for that.
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 
 def kv_fingerprint(vllm_config: Any, block_size: int) -> str:

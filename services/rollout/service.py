@@ -83,7 +83,8 @@ class RolloutWorkerService(Service):
         self._weights_stage: Path | None = None  # set up: where shards wait for the swap (None: in memory)
 
     async def setup(self) -> None:
-        from services.rollout.engine import VllmConfig, VllmEngine, default_kv_storage, prepare_cpu_environment
+        from services.rollout.engine import VllmConfig, VllmEngine
+        from services.rollout.engine_environment import default_kv_storage, prepare_cpu_environment
         from services.rollout.transport import NatsKvTransport, NatsPeers, WorkerServer, watch_statuses
         from services.rollout.worker import RolloutWorker
 
@@ -369,9 +370,11 @@ class RolloutGatewayService(Service):
         # migration still on its way must not start one after the end.
         await client.announce_end(execution_id)
 
-    async def teardown(self) -> None:
+    def stopping(self) -> None:
         for server in self._servers:
-            server.should_exit = True
+            server.should_exit = True  # uvicorn finishes the requests in flight, then its task ends
+
+    async def teardown(self) -> None:
         if self._watch is not None:
             await self._watch.unsubscribe()
 

@@ -127,6 +127,9 @@ class TrainerService(Service):
         self.log.info("coordinator_ready", store_port=self._tcp_store.port, generation=self.generation,
                       cells=sorted(self.cells.views))
 
+    def stopping(self) -> None:
+        self.changed.set()  # the re-forming loop wakes, sees the stop and ends
+
     async def teardown(self) -> None:
         self._tcp_store = None
 
@@ -152,8 +155,10 @@ class TrainerService(Service):
     async def _converge_on_change(self) -> None:
         """Re-form whenever the cells change and no step runs (eagerly: a cell switched to training joins without
         waiting for a batch, and a leaving one is let go at once)."""
-        while not self.stop_event.is_set():
+        while True:
             await self.changed.wait()
+            if self.stop_event.is_set():  # woken by `stopping`
+                return
             self.changed.clear()
             try:
                 async with self.lock:

@@ -69,7 +69,7 @@ async def test_one_step_of_the_loop_runs_through_every_service(store, bus, infra
 
         await wait_for(reloaded, "the rollout worker to load policy version 1", 120, procs)
     finally:
-        stop_all(procs)
+        stop_all(procs, run_id)
         await sub.unsubscribe()
 
     events = [s.event for s in await store.read_all(run_id=run_id)]

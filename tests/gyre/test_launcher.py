@@ -92,6 +92,37 @@ def test_strays_of_a_run_are_reaped_and_no_other_process() -> None:
             p.wait()
 
 
+def test_engines_share_the_caches_the_environment_names_and_a_stopped_run_leaves_no_scratch_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's model-class inspection and torch inductor's kernels are keyed by their inputs: every run on the machine
+    shares the folders the environment names (`make` names .cache/), else each run keeps its own. The run's scratch
+    folder (its engines' IPC sockets) goes when the run is stopped."""
+    def env(run_id: str) -> dict[str, str]:
+        return launcher.loop_environment(
+            run_id=run_id, nats_url="nats://x", database_url="postgresql://x", model_dir=tmp_path,
+            run_dir=tmp_path / run_id, mode="async", steps=1, group_size=2, max_staleness=1, seed=0, task_ids=["t"],
+            gateway_port=1, cells=2,
+        )
+
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "shared" / "vllm"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "shared" / "inductor"))
+    one, two = env("run-cache-a"), env("run-cache-b")
+    for name in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR"):
+        assert one[name] == two[name] and Path(one[name]).is_dir()
+    monkeypatch.delenv("VLLM_CACHE_ROOT")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    own = env("run-cache-c")
+    assert own["VLLM_CACHE_ROOT"] == str(tmp_path / "run-cache-c" / "cache" / "vllm")
+    assert own["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "run-cache-c" / "cache" / "torchinductor")
+    scratch = Path(own["TMPDIR"])
+    assert scratch == processes.scratch_folder("run-cache-c") and scratch.is_dir() and len(str(scratch)) < 40
+    (scratch / "engine.sock").write_text("")
+    processes.stop_all([], "run-cache-c")
+    assert not scratch.exists()
+    for run_id in ("run-cache-a", "run-cache-b"):
+        processes.stop_all([], run_id)
+
+
 def test_each_run_gets_its_own_block_of_cell_ports(tmp_path: Path) -> None:
     import socket
 

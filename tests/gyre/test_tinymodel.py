@@ -307,7 +307,7 @@ def test_vllm_engine_loads_the_model_and_its_logprobs_match_transformers(
     (tmp_path / "engine.py").write_text(_VLLM_SCRIPT)
     # The engine's IPC sockets live under TMPDIR, whose path must leave room for a socket's name (107 characters at
     # most; pytest's tmp_path under a pytest-xdist worker is already about 90): the workers' own choice of folder.
-    from services.rollout.engine import ipc_folder
+    from services.rollout.engine_environment import ipc_folder
 
     cache = ipc_folder(tmp_path / "cache")
     env = {

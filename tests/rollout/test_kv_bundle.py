@@ -54,7 +54,7 @@ def test_files_that_disagree_with_the_manifest_are_not_packed() -> None:
 
 
 def test_kv_in_transit_goes_to_shared_memory_when_the_node_has_room_else_to_the_state_folder(tmp_path) -> None:
-    from services.rollout.engine import default_kv_storage
+    from services.rollout.engine_environment import default_kv_storage
 
     shm, state = tmp_path / "shm", tmp_path / "state"
     shm.mkdir()
@@ -66,7 +66,7 @@ def test_kv_in_transit_goes_to_shared_memory_when_the_node_has_room_else_to_the_
 
 
 def test_the_engines_ipc_folder_is_short_enough_for_a_socket_path_wherever_the_work_folder_is(tmp_path) -> None:
-    from services.rollout.engine import IPC_FOLDER_MAX_CHARS, ipc_folder
+    from services.rollout.engine_environment import IPC_FOLDER_MAX_CHARS, ipc_folder
 
     short = Path("/tmp") / f"g-{tmp_path.name[:8]}"
     assert ipc_folder(short) == short and short.is_dir()
@@ -77,3 +77,22 @@ def test_the_engines_ipc_folder_is_short_enough_for_a_socket_path_wherever_the_w
     assert chosen != deep and chosen.is_dir() and len(str(chosen)) <= IPC_FOLDER_MAX_CHARS
     assert len(f"ipc://{chosen}/{'0' * 36}") <= 107
     chosen.rmdir()
+
+
+def test_an_engines_inductor_headers_go_to_the_shared_cache_when_one_is_named(tmp_path, monkeypatch) -> None:
+    """torch keeps its precompiled headers under TMPDIR whatever TORCHINDUCTOR_CACHE_DIR says: with a shared cache
+    named, the folder torch looks in under the run's scratch TMPDIR is a link to it, made once."""
+    import getpass
+
+    from services.rollout.engine_environment import share_inductor_headers
+
+    scratch, shared = tmp_path / "scratch", tmp_path / "cache" / "torchinductor"
+    scratch.mkdir()
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    share_inductor_headers(scratch)
+    assert list(scratch.iterdir()) == []  # no shared cache named: torch's own folder under TMPDIR, as before
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(shared))
+    share_inductor_headers(scratch)
+    share_inductor_headers(scratch)  # a second engine of the run finds the link made
+    link = scratch / f"torchinductor_{getpass.getuser()}"
+    assert link.is_symlink() and link.resolve() == shared.resolve() and shared.is_dir()

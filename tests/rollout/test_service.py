@@ -261,12 +261,13 @@ async def test_the_worker_service_says_it_serves_its_weights_once_it_is_serving(
     """`weights.loaded` at start-up, after the worker has its first weights and answers requests: how the cell
     agent learns from the log that the cell is ready, and which version it serves."""
     import services.rollout.engine as engine_module
+    import services.rollout.engine_environment as engine_environment
 
     class WarmEngine(ScriptedEngine):
         async def warm_up(self) -> float:
             return 0.0
 
-    monkeypatch.setattr(engine_module, "prepare_cpu_environment", lambda work_dir: None)
+    monkeypatch.setattr(engine_environment, "prepare_cpu_environment", lambda work_dir: None)
     monkeypatch.setattr(engine_module.VllmEngine, "start", classmethod(lambda cls, config: WarmEngine(CharCodec())))
     store = await make_store(infra.database_url)
     prefix = unique("t")

@@ -113,8 +113,9 @@ async def _truth(value: Any) -> bool:
 @pytest.fixture
 async def cluster(infra, tmp_path, monkeypatch) -> AsyncIterator[Cluster]:
     import services.rollout.engine as engine_module
+    import services.rollout.engine_environment as engine_environment
 
-    monkeypatch.setattr(engine_module, "prepare_cpu_environment", lambda work_dir: None)
+    monkeypatch.setattr(engine_environment, "prepare_cpu_environment", lambda work_dir: None)
     monkeypatch.setattr(engine_module.VllmEngine, "start", classmethod(lambda cls, config: WarmEngine(CharCodec())))
     store = await make_store(infra.database_url)
     prefix = unique("t")

@@ -36,7 +36,8 @@ def model_dir(tmp_path_factory):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(model_dir, tmp_path_factory):
-    from services.rollout.engine import VllmConfig, VllmEngine, prepare_cpu_environment
+    from services.rollout.engine import VllmConfig, VllmEngine
+    from services.rollout.engine_environment import prepare_cpu_environment
 
     prepare_cpu_environment(tmp_path_factory.mktemp("vllm"))
     eng = VllmEngine.start(VllmConfig(model=model_dir, max_model_len=MAX_LEN))

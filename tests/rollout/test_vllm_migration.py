@@ -35,7 +35,8 @@ def model_dir(tmp_path_factory):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engines(model_dir, tmp_path_factory):
-    from services.rollout.engine import VllmConfig, VllmEngine, prepare_cpu_environment
+    from services.rollout.engine import VllmConfig, VllmEngine
+    from services.rollout.engine_environment import prepare_cpu_environment
 
     prepare_cpu_environment(tmp_path_factory.mktemp("vllm"))
     a = VllmEngine.start(VllmConfig(model=model_dir, max_model_len=2048, kv_storage=tmp_path_factory.mktemp("kv-a")))

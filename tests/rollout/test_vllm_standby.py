@@ -30,7 +30,8 @@ def model_dir(tmp_path_factory):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(model_dir, tmp_path_factory):
-    from services.rollout.engine import VllmConfig, VllmEngine, prepare_cpu_environment
+    from services.rollout.engine import VllmConfig, VllmEngine
+    from services.rollout.engine_environment import prepare_cpu_environment
 
     prepare_cpu_environment(tmp_path_factory.mktemp("vllm"))
     # A cell's KV sized as an accelerator's memory would bound it: 6,000 tokens, in whole blocks.

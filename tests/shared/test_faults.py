@@ -321,6 +321,50 @@ async def test_a_background_task_that_dies_makes_the_service_unhealthy(store, bu
     assert service.failed_tasks == ["worker"] and b'"failed_tasks": ["worker"]' in reply
 
 
+async def test_a_stopping_service_wakes_its_own_waits_and_cancels_only_a_task_that_ignores_the_stop(
+        store, bus, infra: Infra, monkeypatch):
+    """`stopping` runs before the service waits for its tasks: a task waiting on an event of its own (the trainer's
+    re-forming loop, the gateway's HTTP server) ends by itself instead of holding the stop for the whole grace period
+    and being cancelled; one that ignores the stop is cancelled after the grace period, and named."""
+    import shared.runtime as runtime
+
+    monkeypatch.setattr(runtime, "STOP_GRACE_S", 0.5)  # the stuck task's wait: short, whatever the machine
+    ended: dict[str, str] = {}
+
+    class Waiting(EffectService):
+        async def setup(self) -> None:
+            await super().setup()
+            self.wake = asyncio.Event()
+
+            async def waits_on_its_event() -> None:
+                await self.wake.wait()
+                ended["own"] = "ended"
+
+            async def ignores_the_stop() -> None:
+                try:
+                    await asyncio.Event().wait()
+                except asyncio.CancelledError:
+                    ended["stuck"] = "cancelled"
+                    raise
+
+            self.own = self.spawn(waits_on_its_event(), name="own")
+            self.stuck = self.spawn(ignores_the_stop(), name="stuck")
+
+        def stopping(self) -> None:
+            self.wake.set()
+
+    settings = Settings(database_url=infra.database_url, nats_url=infra.nats_url, db_schema=store.schema,
+                        subject_prefix=bus.prefix, run_id=unique("stop"))
+    service = Waiting(settings)
+    await service.start()
+    warnings: list[dict[str, object]] = []
+    monkeypatch.setattr(service.log, "warning", lambda event, **kw: warnings.append({"event": event, **kw}))
+    await service.stop()
+    assert ended == {"own": "ended", "stuck": "cancelled"}
+    assert not service.own.cancelled() and service.stuck.cancelled()
+    assert warnings == [{"event": "tasks_cancelled_at_stop", "tasks": ["stuck"], "grace_s": 0.5}]
+
+
 async def test_a_service_whose_health_port_is_taken_fails_at_once_and_lets_go(store, bus, infra: Infra):
     """A health port taken by another socket must end the start at once, before any setup (a rollout worker
     loads an engine there), and the process must let go of what it holds so that it exits: one that raised and

@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from services.rollout.engine import prepare_cpu_environment
+from services.rollout.engine_environment import prepare_cpu_environment
 
 
 def main() -> None:
