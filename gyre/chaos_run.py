@@ -66,6 +66,7 @@ async def run_chaos(work: Path, *, seed: int, faults: int | None, cells: int = 2
             gateway_port=free_port(), cells=cells,
             extra={
                 "GYRE_CELL_NODE_ID": "vm",
+                "GYRE_CELL_WARM": "true",  # each cell's standing-by worker and rank are targets of the plan too
                 "GYRE_DROP_ZERO_VARIANCE": "false",  # the untrained model scores 0: train on every batch anyway
                 "GYRE_HARNESS_WALL_BUDGET_S": "300",
                 "GYRE_HARNESS_CALL_BUDGET": "3",

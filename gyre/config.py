@@ -103,7 +103,10 @@ class SchedulingSection(_Section):
     # The KV each cell's engine allocates, in tokens, as an accelerator's memory would bound it (the scheduler
     # admits sessions against it); unset: what the memory given to the KV cache holds.
     kv_tokens_per_cell: int | None = Field(default=None, ge=1)
-    warm: bool = True  # a switch wakes the cell's standing-by process instead of restarting it
+    # A switch wakes the cell's standing-by process instead of restarting it. Unset: by mode, a standby where cells
+    # switch (elastic, colocate, reprefill) and none in async, which never moves a cell: there a standby would only
+    # hold a second process's memory (on an accelerator, an idle trainer rank's or a sleeping engine's) for nothing.
+    warm: bool | None = None
     steps: int = Field(default=30, ge=1)
     group_size: int = Field(default=8, ge=1)  # executions per query (G)
     queries_per_step: int = Field(default=2, ge=1)
@@ -115,6 +118,11 @@ class SchedulingSection(_Section):
     elastic_min_dwell_s: float = Field(default=10.0, ge=0)
     elastic_train_horizon_s: float = Field(default=30.0, gt=0)
     elastic_margin: int = Field(default=0, ge=0)
+
+    @property
+    def warm_cells(self) -> bool:
+        """Whether each cell keeps both roles' processes (`warm`, or the mode's default when unset)."""
+        return self.warm if self.warm is not None else self.mode != "async"
 
 
 class OptimSection(_Section):
@@ -405,6 +413,7 @@ def environment(config: RunConfig, model_dir: Path, task_ids: list[str]) -> dict
     values["tasks.dir"] = str(Path(config.tasks.dir).resolve())
     values["harness.claude_code_dir"] = str(Path(config.harness.claude_code_dir).resolve())
     values["optim.micro_batch_tokens"] = config.optim.micro_batch_tokens or config.model.max_model_len
+    values["scheduling.warm"] = config.scheduling.warm_cells
     env: dict[str, str] = {}
     for key, names in VARIABLES.items():
         value = values[key]

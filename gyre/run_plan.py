@@ -300,8 +300,10 @@ def _cells(plan: RunPlan) -> None:
         devices = ",".join(str(d) for d in range(i * s.accelerators_per_cell, (i + 1) * s.accelerators_per_cell))
         pinned = s.pin_cells and s.cells * s.accelerators_per_cell <= len(os.sched_getaffinity(0))
         where = f"{s.device}:{devices}" if s.device != "cpu" else (f"cpu cores {devices}" if pinned else "cpu")
-        plan.processes.append(f"cell {i} ({where}): rollout worker and trainer rank, one standing by "
-                              f"({'warm switch' if s.warm else 'switch by restart'})")
+        plan.processes.append(
+            f"cell {i} ({where}): rollout worker and trainer rank, one standing by (warm switch)" if s.warm_cells
+            else f"cell {i} ({where}): its role's process, a rollout worker or a trainer rank "
+                 f"({'async never switches a cell' if s.mode == 'async' and s.warm is None else 'switch by restart'})")
 
 
 def plan_run(config: RunConfig, sources: dict[str, str] | None = None) -> RunPlan:

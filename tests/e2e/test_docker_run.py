@@ -37,7 +37,10 @@ async def test_a_run_trains_on_tasks_in_their_own_images(store, bus, infra: Infr
             [sys.executable, "-m", "gyre.cli", "run", "--config", "configs/docker.yaml",
              "--set", f"logging.runs_dir={runs}", "--set", "scheduling.steps=1",
              "--set", "tasks.train=kv-service-handshake,repo-regression",
-             "--set", "logging.trackers=wandb,tensorboard"],
+             "--set", "logging.trackers=wandb,tensorboard",
+             # Both roles' processes on each cell, one standing by (async keeps none unless asked): every process
+             # kind of a cell is scraped.
+             "--set", "scheduling.warm=true"],
             env=env, stdout=out, stderr=subprocess.STDOUT,
         )
         seen = scrape_until_done(run, runs, deadline=time.monotonic() + 1100)

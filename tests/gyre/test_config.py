@@ -171,7 +171,12 @@ def test_every_setting_becomes_a_variable_some_service_reads(tmp_path: Path) -> 
     assert env["GYRE_SCHEDULER_TASK_IDS"] == "t1,t2"
     assert env["GYRE_ROLLOUT_DTYPE"] == env["GYRE_TRAINER_PUBLISH_DTYPE"] == "auto"
     assert env["GYRE_CELL_COUNT"] == env["GYRE_SCHEDULER_MIN_CELLS"] == "2"
-    assert env["GYRE_CELL_WARM"] == "true"
+    # Async never moves a cell: no standby unless asked; the modes that switch keep one (a warm switch).
+    assert env["GYRE_CELL_WARM"] == "false"
+    for mode, warm, expected in (("elastic", None, "true"), ("colocate", None, "true"), ("async", True, "true"),
+                                 ("elastic", False, "false")):
+        config = RunConfig(scheduling={"mode": mode, "warm": warm})
+        assert cfg.environment(config, tmp_path, ["t"])["GYRE_CELL_WARM"] == expected, (mode, warm)
     assert env["GYRE_MICRO_BATCH_TOKENS"] == "8192"  # unset: the context, so the longest sequence packs
     assert "GYRE_HARNESS_CALL_BUDGET" not in env  # no budget: the service's own default (none)
     from services.harness.service import HarnessSettings
