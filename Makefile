@@ -11,6 +11,8 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 # Caches every run and test on the machine shares, each keyed by its inputs (gyre/launcher.py: engine_caches).
 export VLLM_CACHE_ROOT := $(CURDIR)/.cache/vllm
 export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/.cache/torchinductor
+# Tiny models built once per digest of what their files depend on (gyre/tinymodel.py: tiny_model).
+export GYRE_MODEL_CACHE := $(CURDIR)/.cache/models
 export XDG_RUNTIME_DIR ?= $(CURDIR)/.cache/runtime
 CLAUDE_CODE_DIR := $(CURDIR)/.cache/claude-code
 # The pinned Claude Code: configs/claude-code*.yaml expect it and its recorded requests

@@ -69,7 +69,7 @@ def _held_mb(core: Any, execution_id: str) -> tuple[float, float]:
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     import httpx
 
-    from gyre.tinymodel import create_tiny_model
+    from gyre.tinymodel import tiny_model
     from services.rollout import anthropic_api
     from services.rollout.codec import TokenizerCodec
     from services.rollout.credentials import TokenVerifier
@@ -83,7 +83,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     rnd = random.Random(0)
     with tempfile.TemporaryDirectory(prefix="gyre-bench-gw-") as work:
-        codec = TokenizerCodec.from_model_dir(create_tiny_model(Path(work) / "model", seed=0))
+        codec = TokenizerCodec.from_model_dir(tiny_model(Path(work) / "model", seed=0))
     reply_text = " ".join(rnd.choice(WORDS) for _ in range(50))
     directory = WorkerDirectory(stale_after_s=1e9)
     directory.update(WorkerStatus(worker_id="w0", cell_id="cell-0", state="active", live_sessions=0, capacity=8,

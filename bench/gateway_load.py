@@ -320,7 +320,7 @@ async def _steady(agents: Agents, rate: float, seconds: float) -> tuple[list[flo
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from gyre.local import free_port
-    from gyre.tinymodel import create_tiny_model
+    from gyre.tinymodel import tiny_model
     from services.rollout.codec import TokenizerCodec
     from shared.bus import Bus
     from shared.execution_tokens import derive_execution_token
@@ -328,7 +328,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     rnd = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix="gyre-bench-load-"))
-    model_dir = create_tiny_model(work / "model", seed=0)
+    model_dir = tiny_model(work / "model", seed=0)
     codec = TokenizerCodec.from_model_dir(model_dir)
     reply = codec.encode(REPLY) + [codec.end_of_turn_id]
     long_system = codec.decode(codec.encode(_words(rnd, args.long_tokens))[: args.long_tokens])

@@ -140,7 +140,7 @@ async def _drain_round(wa: Any, wb: Any, sessions: int, tokens: int, rng: np.ran
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    from gyre.tinymodel import create_tiny_model
+    from gyre.tinymodel import tiny_model
     from services.rollout.engine import VllmConfig, VllmEngine
     from services.rollout.engine_environment import default_kv_storage, prepare_cpu_environment
     from services.rollout.transport import NatsKvTransport
@@ -150,7 +150,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     lengths = [int(n) for n in args.lengths.split(",")]
     work = Path(tempfile.mkdtemp(prefix="gyre-bench-kv-"))
     prepare_cpu_environment(work / "vllm")
-    model_dir = Path(args.model_dir) if args.model_dir else create_tiny_model(work / "model", seed=0,
+    model_dir = Path(args.model_dir) if args.model_dir else tiny_model(work / "model", seed=0,
                                                                              size=args.model_size)
     max_len = max(lengths) + 512
     details: dict[str, Any] = {"lengths": {}, "model": args.model_dir or f"created here, size {args.model_size}",

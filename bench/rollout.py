@@ -233,13 +233,13 @@ async def _migration(args: argparse.Namespace, a: Any, b: Any, log: dict[str, An
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from gyre.local import EmbeddedNats, EmbeddedPostgres
-    from gyre.tinymodel import create_tiny_model
+    from gyre.tinymodel import tiny_model
     from services.rollout.engine import VllmConfig, VllmEngine
     from services.rollout.engine_environment import prepare_cpu_environment
 
     work = Path(tempfile.mkdtemp(prefix="gyre-bench-rollout-"))
     prepare_cpu_environment(work / "vllm")
-    model_dir = Path(args.model_dir) if args.model_dir else create_tiny_model(work / "model", seed=0)
+    model_dir = Path(args.model_dir) if args.model_dir else tiny_model(work / "model", seed=0)
     nats_url, db_url = os.environ.get("GYRE_NATS_URL", ""), os.environ.get("GYRE_DATABASE_URL", "")
     embedded: list[Any] = []
     if not nats_url:

@@ -133,7 +133,7 @@ async def _run_path(path: str, args: argparse.Namespace, infra: Any, work: Path)
     from gyre.launcher import loop_environment
     from gyre.local import free_port
     from gyre.processes import Proc, start_all, stop_all
-    from gyre.tinymodel import create_tiny_model
+    from gyre.tinymodel import tiny_model
     from shared.events import CallCompleted, ExecutionFinished, ExecutionStarted, stream_id_for
     from shared.execution_tokens import derive_execution_token
     from shared.store import EventStore, run_migrations
@@ -143,7 +143,7 @@ async def _run_path(path: str, args: argparse.Namespace, infra: Any, work: Path)
     store = await EventStore.connect(infra.database_url, schema=schema)
     run_id = f"bench-switch-{path}-{uuid.uuid4().hex[:6]}"
     run_dir = work / path
-    model_dir = create_tiny_model(run_dir / "model", seed=0, size="tiny")
+    model_dir = tiny_model(run_dir / "model", seed=0, size="tiny")
     port = free_port()
     env = loop_environment(
         run_id=run_id, nats_url=infra.nats_url, database_url=infra.database_url, model_dir=model_dir,

@@ -1,7 +1,7 @@
 """Weight sync: from a step's end (the full state dict in the trainer's hands) to every rollout worker serving
 the new version, through the NATS Object Store, against copying the same bytes file to file on this machine.
 
-A model of realistic size for this machine is created here (about 0.5 B parameters, bf16: `create_tiny_model
+A model of realistic size for this machine is created here (about 0.5 B parameters, bf16: `tiny_model
 size="half"`). Each round perturbs every weight (as a step does, so every shard is new), then times the path a
 publication takes in a run, with the code a run uses: encode the layer-aligned shards in the publish dtype
 (shared/weights.py), store them and their manifest (services/trainer/rank.py `store_publication`), and on every
@@ -77,7 +77,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from safetensors.torch import load_file
 
-    from gyre.tinymodel import create_tiny_model
+    from gyre.tinymodel import tiny_model
     from services.rollout.engine import VllmConfig, VllmEngine
     from services.rollout.engine_environment import prepare_cpu_environment
     from services.rollout.worker import RolloutWorker
@@ -93,7 +93,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="gyre-bench-weights-"))
     prepare_cpu_environment(work / "vllm")
     made = time.perf_counter()
-    model_dir = Path(args.model_dir) if args.model_dir else create_tiny_model(
+    model_dir = Path(args.model_dir) if args.model_dir else tiny_model(
         work / "model", seed=0, size=args.size, dtype="bfloat16")
     config = json.loads((model_dir / "config.json").read_text())
     dtype = resolve_dtype("auto", config.get("dtype") or config.get("torch_dtype"))

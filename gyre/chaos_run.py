@@ -18,7 +18,7 @@ from gyre.chaos import Chaos, FaultRecord, check_run, fault_costs, fault_plan, f
 from gyre.launcher import loop_environment
 from gyre.local import EmbeddedNats, EmbeddedPostgres
 from gyre.processes import serve_metrics, service_processes, start_all, stop_all
-from gyre.tinymodel import create_tiny_model
+from gyre.tinymodel import tiny_model
 from shared.events import Event
 from shared.ports import free_port
 from shared.store import EventStore
@@ -59,7 +59,7 @@ async def run_chaos(work: Path, *, seed: int, faults: int | None, cells: int = 2
         plan = fault_plan(seed, len(fault_targets(cell_ids)) if faults is None else faults, cell_ids)
         total = steps or (every_steps + 1) * len(plan) + extra_steps
         run_id = f"chaos-{seed}-{int(time.time())}"
-        model_dir = create_tiny_model(work / "model", seed=0, size="tiny")
+        model_dir = tiny_model(work / "model", seed=0, size="tiny")
         env = loop_environment(
             run_id=run_id, nats_url=nats.url, database_url=postgres.url, model_dir=model_dir, run_dir=work,
             mode="async", steps=total, group_size=group_size, max_staleness=1, seed=seed, task_ids=TASKS,

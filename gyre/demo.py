@@ -39,9 +39,9 @@ def main() -> int:
 
     model_dir = Path("runs/demo/model")
     started = time.perf_counter()
-    from gyre.tinymodel import create_tiny_model, model_info
+    from gyre.tinymodel import model_info, tiny_model
 
-    create_tiny_model(model_dir, seed=0, size="tiny", overwrite=True)
+    tiny_model(model_dir, seed=0, size="tiny", overwrite=True)
     info = model_info(model_dir)
     console.print(
         f"2. tiny model at {model_dir} in {time.perf_counter() - started:.1f} s — "

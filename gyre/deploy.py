@@ -91,10 +91,10 @@ def prepare(
         console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
     (here / "logs").mkdir(parents=True, exist_ok=True)
     if config.is_tiny():
-        from gyre.tinymodel import create_tiny_model
+        from gyre.tinymodel import tiny_model
 
         console.print(f"creating the {config.model.path} model from seed {config.seed}")
-        model_dir = create_tiny_model(here / "model", seed=config.seed, size=config.model.path,  # type: ignore[arg-type]
+        model_dir = tiny_model(here / "model", seed=config.seed, size=config.model.path,  # type: ignore[arg-type]
                                       overwrite=True)
     else:
         model_dir = Path(config.model.path).resolve()

@@ -376,10 +376,10 @@ def _run(config: RunConfig, plan: RunPlan, run_id: str, run_dir: Path, record: R
                   f"{s.steps} steps, G={s.group_size}, staleness {s.max_staleness}")
     if record is None:
         if config.is_tiny():
-            from gyre.tinymodel import create_tiny_model
+            from gyre.tinymodel import tiny_model
 
             with console.status(f"creating the {config.model.path} model from seed {config.seed}…"):
-                model_dir = create_tiny_model(run_dir / "model", seed=config.seed, size=config.model.path)  # type: ignore[arg-type]
+                model_dir = tiny_model(run_dir / "model", seed=config.seed, size=config.model.path)  # type: ignore[arg-type]
         else:
             model_dir = Path(config.model.path).resolve()
         (run_dir / RUN_CONFIG).write_text(dump(config))

@@ -120,9 +120,9 @@ def _model_dir(plan: RunPlan, scratch: Path) -> Path | None:
     """The model folder to check (a tiny one is created in `scratch`, as the run will create its own)."""
     c = plan.config
     if c.is_tiny():
-        from gyre.tinymodel import create_tiny_model, model_info
+        from gyre.tinymodel import model_info, tiny_model
 
-        path = create_tiny_model(scratch / "model", seed=c.seed, size=c.model.path)  # type: ignore[arg-type]
+        path = tiny_model(scratch / "model", seed=c.seed, size=c.model.path)  # type: ignore[arg-type]
         info = model_info(path)
         plan.model = f"{c.model.path} (created from seed {c.seed}: {info['parameters']:,} parameters)"
         return path

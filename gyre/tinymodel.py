@@ -16,9 +16,13 @@ The chat format (template, marker tokens, tool-call parsing) is `shared/chat.py`
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
+import shutil
 import struct
+import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,10 +30,13 @@ from gyre.tokenizer_corpus import tokenizer_corpus
 from shared.chat import ADDED_TOKENS, EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS, chat_template
 
 __all__ = [
+    "MODEL_CACHE_ENV",
     "ModelDirError",
     "TinyModelError",
     "create_tiny_model",
+    "model_digest",
     "model_info",
+    "tiny_model",
 ]
 
 Size = Literal["tiny", "small", "wide", "half"]
@@ -280,6 +287,61 @@ def create_tiny_model(
             }
         ),
     )
+    return out_dir
+
+
+# ----------------------------------------------------------------------------------------------------
+# The same files from a cache keyed by what they depend on
+
+MODEL_CACHE_ENV = "GYRE_MODEL_CACHE"  # `make` names .cache/models: runs and tests on the machine share it
+
+
+def model_digest(*, seed: int, size: Size = "tiny", dtype: Dtype = "float32") -> str:
+    """What a tiny model's files depend on: the code that writes them (this module, the tokenizer's corpus, the chat
+    format), the libraries that train, draw and serialise them, and the seed, size and dtype."""
+    import importlib.metadata
+
+    from gyre import tokenizer_corpus
+    from shared import chat
+
+    digest = hashlib.sha256(json.dumps([seed, size, dtype]).encode())
+    for source in (Path(__file__), Path(tokenizer_corpus.__file__), Path(chat.__file__)):
+        digest.update(source.read_bytes())
+    digest.update(chat_template().encode())
+    for package in ("tokenizers", "safetensors", "numpy", "torch"):
+        try:
+            digest.update(f"{package}=={importlib.metadata.version(package)}".encode())
+        except importlib.metadata.PackageNotFoundError:
+            digest.update(f"{package} absent".encode())
+    return digest.hexdigest()[:24]
+
+
+def tiny_model(
+    out_dir: Path, *, seed: int, size: Size = "tiny", dtype: Dtype = "float32", overwrite: bool = False,
+    cache: Path | None = None,
+) -> Path:
+    """`create_tiny_model`, its files copied from `cache` (default: the folder `GYRE_MODEL_CACHE` names, if any)
+    where they were built once for the same digest (`model_digest`). The first caller builds them there (in a
+    folder of its own, renamed into place: callers at once do not see half a model); without a cache, it creates."""
+    if cache is None and os.environ.get(MODEL_CACHE_ENV):
+        cache = Path(os.environ[MODEL_CACHE_ENV])
+    if cache is None:
+        return create_tiny_model(out_dir, seed=seed, size=size, dtype=dtype, overwrite=overwrite)
+    built = cache / model_digest(seed=seed, size=size, dtype=dtype)
+    if not built.is_dir():
+        cache.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{built.name}-", dir=cache))
+        create_tiny_model(staging / "model", seed=seed, size=size, dtype=dtype)
+        with contextlib.suppress(OSError):  # another caller put the same files there first
+            os.rename(staging / "model", built)
+        shutil.rmtree(staging, ignore_errors=True)
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not overwrite)):
+        raise ModelDirError(f"expected an empty or missing directory for the new model, {out_dir} has files"
+                            if out_dir.is_dir() else f"expected a directory for the new model, {out_dir} is a file")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for file in built.iterdir():
+        shutil.copyfile(file, out_dir / file.name)
     return out_dir
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from gyre.launcher import loop_environment
 from gyre.local import free_port
-from gyre.tinymodel import create_tiny_model
+from gyre.tinymodel import tiny_model
 from tests.conftest import Infra
 
 
@@ -15,7 +15,7 @@ def loop_test_environment(
     mode: str = "async", cells: int = 2, extra: dict[str, str] | None = None,
 ) -> dict[str, str]:
     """Every process's environment for a short run of the untrained tiny model (async on two cells unless told)."""
-    model_dir = create_tiny_model(tmp_path / "model", seed=0, size="tiny")
+    model_dir = tiny_model(tmp_path / "model", seed=0, size="tiny")
     return loop_environment(
         run_id=run_id, nats_url=infra.nats_url, database_url=infra.database_url, model_dir=model_dir,
         run_dir=tmp_path, mode=mode, steps=steps, group_size=group_size, max_staleness=1, seed=0,

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from gyre.tinymodel import ModelDirError, create_tiny_model, model_info
+from gyre.tinymodel import ModelDirError, create_tiny_model, model_digest, model_info, tiny_model
 from shared.chat import ADDED_TOKENS
 
 EXPECTED_FILES = {
@@ -74,6 +74,32 @@ def test_same_seed_is_byte_identical_across_processes_and_thread_counts(tiny_dir
     code = f"from pathlib import Path; from gyre.tinymodel import create_tiny_model; create_tiny_model(Path({str(out)!r}), seed=7)"
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
     assert _digests(out) == _digests(tiny_dir)
+
+
+def test_a_cached_model_is_the_created_one_built_once_per_digest(tiny_dir: Path, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs and tests take their tiny model from a cache keyed by what its files depend on: the first builds it,
+    the others copy the same bytes; another seed is another entry; a busy folder is refused as create refuses it."""
+    import gyre.tinymodel as tinymodel
+
+    cache = tmp_path / "cache"
+    first = tiny_model(tmp_path / "first", seed=7, cache=cache)
+    assert _digests(first) == _digests(tiny_dir)
+    assert [p.name for p in cache.iterdir()] == [model_digest(seed=7)]  # no staging folder left behind
+
+    def built_again(*args: object, **kwargs: object) -> Path:
+        raise AssertionError("the cached model was built again")
+
+    monkeypatch.setattr(tinymodel, "create_tiny_model", built_again)
+    monkeypatch.setenv(tinymodel.MODEL_CACHE_ENV, str(cache))
+    assert _digests(tiny_model(tmp_path / "second", seed=7)) == _digests(tiny_dir)  # the cache the environment names
+    assert model_digest(seed=8) != model_digest(seed=7) != model_digest(seed=7, size="small")
+    with pytest.raises(AssertionError, match="built again"):
+        tiny_model(tmp_path / "third", seed=8)
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "keep.txt").write_text("mine")
+    with pytest.raises(ModelDirError, match="empty"):
+        tiny_model(tmp_path / "busy", seed=7)
 
 
 def test_different_seed_changes_weights_but_not_tokenizer(tiny_dir: Path, tmp_path: Path) -> None:
@@ -307,15 +333,16 @@ def test_vllm_engine_loads_the_model_and_its_logprobs_match_transformers(
     (tmp_path / "engine.py").write_text(_VLLM_SCRIPT)
     # The engine's IPC sockets live under TMPDIR, whose path must leave room for a socket's name (107 characters at
     # most; pytest's tmp_path under a pytest-xdist worker is already about 90): the workers' own choice of folder.
-    from services.rollout.engine_environment import ipc_folder
+    from services.rollout.engine_environment import ipc_folder, share_inductor_headers
 
     cache = ipc_folder(tmp_path / "cache")
+    share_inductor_headers(cache)  # the caches `make` names, as a run's engines share them
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "TMPDIR": str(cache),
-        "VLLM_CACHE_ROOT": str(cache),
+        "VLLM_CACHE_ROOT": os.environ.get("VLLM_CACHE_ROOT") or str(cache),
     }
     try:
         result = subprocess.run(
