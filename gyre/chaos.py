@@ -77,6 +77,7 @@ class FaultRecord:
     target: str
     at: datetime
     detail: str = ""
+    step: int | None = None  # the run's completed steps when it was hit
     back_s: float | None = None  # until the process or server was back (healthy)
     progress_s: float | None = None  # until a step completed after that: the whole loop working again
     costs: dict[str, int] = field(default_factory=dict)  # filled from the log after the run (`fault_costs`)
@@ -204,7 +205,7 @@ class Chaos:
             return await self._until(ready, started, "every cell's processes healthy")
 
     async def inject(self, target: str) -> FaultRecord:
-        record = FaultRecord(target, datetime.now(UTC))
+        record = FaultRecord(target, datetime.now(UTC), step=await self.steps_done())
         started = time.monotonic()
         async with httpx.AsyncClient(timeout=3.0) as http:
             if target in SERVICES:

@@ -113,4 +113,5 @@ async def run_chaos(work: Path, *, seed: int, faults: int | None, cells: int = 2
 
 
 def _line(r: FaultRecord, elapsed: float) -> str:
-    return (f"{elapsed:7.1f} s  {r.target:18} back {r.back_s} s, a step {r.progress_s} s later  ({r.detail})")
+    return (f"{elapsed:7.1f} s  step {r.step}  {r.target:18} back {r.back_s} s, a step {r.progress_s} s later  "
+            f"({r.detail})")
