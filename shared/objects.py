@@ -9,6 +9,7 @@ import concurrent.futures
 import contextlib
 import hashlib
 import json
+import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -35,6 +36,8 @@ ACK_TIMEOUT_S = 30.0  # for a chunk's store acknowledgement
 # flooded with pending publishes with 429 (seen storing a 1 GB model's shards all at once), and a chunk cannot
 # simply be sent again (an object's chunks are read in stream order). 32 MiB keeps the pipe full.
 WINDOW_BYTES = 32 * 2**20
+# How long a bucket's first use waits for its stream to have a leader (`ObjectStore._until_led`).
+LEADER_WAIT_S = 15.0
 
 
 class ObjectStoreError(Exception):
@@ -92,7 +95,26 @@ class ObjectStore:
                     except nats.js.errors.APIError:  # no memory store on these servers (or none left): files
                         if i == len(storages) - 1:
                             raise
+            await self._until_led()
         return self._object_store
+
+    async def _until_led(self) -> None:
+        """Until the bucket's stream has a leader, for at most LEADER_WAIT_S. In a cluster a stream just created
+        (here or by another process) answers no publish until its replicas have elected one: each chunk written
+        then came back 503 (no responders), seen moving a session's KV just after its bucket was made with one
+        of three servers down. A single server (no cluster) leads at once. Past the wait the writes go ahead
+        and say what is wrong."""
+        deadline = time.monotonic() + LEADER_WAIT_S
+        while True:
+            try:
+                info = await self.js.stream_info(f"OBJ_{self.bucket}")
+                if info.cluster is None or info.cluster.leader:
+                    return
+            except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.APIError):
+                pass  # no leader to answer yet
+            if time.monotonic() > deadline:
+                return
+            await asyncio.sleep(0.1)
 
     async def put_object(self, data: bytes, *, name: str | None = None) -> str:
         """Store bytes under their digest (or `name`); returns the digest.

@@ -17,6 +17,7 @@ from gyre.local import nats_server_binary
 from shared.bus import Bus, ConsumerOptions
 from shared.events import Event
 from shared.ports import free_port
+from shared.tokens import digest_of
 from tests.conftest import unique
 from tests.shared.helpers import assigned
 
@@ -143,3 +144,31 @@ async def test_the_bus_goes_on_through_the_loss_of_the_streams_leader(cluster: l
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
         await bus.close()  # the cluster and its streams go with the test's folder
+
+
+async def test_a_bucket_made_with_a_server_down_takes_its_first_write_at_once(cluster: list[Server]) -> None:
+    """A session's KV in transit goes to a bucket made on its first use, by whichever worker comes first: made in
+    three copies with one of the three servers down, a write just after waits for the stream's leader instead of
+    each chunk coming back 503 (no responders) while the two live replicas elect one."""
+    from nats.js.api import ObjectStoreConfig, StorageType
+
+    from shared.objects import ObjectStore
+
+    bus = await connect(cluster, prefix=unique("c"))
+    other = await connect(cluster[1:], prefix=unique("c"))  # another process's connection, to another server
+    try:
+        cluster[2].kill()
+        await retried(bus.ensure_streams)  # the meta layer answers again with two of three
+        data = bytes(range(256)) * 8192  # 2 MiB: four chunks
+        for i in range(3):  # fresh buckets: each a new stream, each with an election of its own
+            bucket = unique(f"transit{i}")
+            await other.js.create_object_store(bucket, config=ObjectStoreConfig(
+                bucket=bucket, ttl=60.0, replicas=3, storage=StorageType.MEMORY))  # the other worker made it
+            store = ObjectStore(bus.js, bucket, ttl_s=60.0, replicas=3)
+            upload = await store.start_put(data, name="kv-first", digest=digest_of(data))
+            assert await upload.task == digest_of(data)
+            info = await bus.js.stream_info(f"OBJ_{bucket}")
+            assert info.cluster is not None and info.cluster.leader and info.config.num_replicas == 3
+    finally:
+        await other.close()
+        await bus.close()
