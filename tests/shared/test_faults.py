@@ -408,6 +408,25 @@ def test_ports_a_run_picks_lie_below_the_ephemeral_range():
     assert all(ports.LOWEST <= ports.free_port() < first for _ in range(20))
 
 
+def test_a_process_never_hands_out_a_port_twice_though_none_is_bound_yet(monkeypatch):
+    """A run picks its processes' ports before any of them binds one: the same draw again (two of a run's
+    processes were once given one port) is passed over for the next draw."""
+    import itertools
+    import random
+
+    from shared import ports
+
+    first = ports.free_port()
+    fresh = random.Random(7)
+    draws = itertools.chain([first, first, first - 1], iter(lambda: fresh.randint(ports.LOWEST, 30_000), None))
+    monkeypatch.setattr(ports._rng, "randint", lambda low, high: next(draws))
+    second = ports.free_port()  # drew `first` again, then `first - 1`
+    assert second != first
+    block = ports.free_port_block(3)
+    assert {first, second}.isdisjoint(range(block, block + 3))
+
+
+
 async def test_a_handler_commit_waits_out_a_store_outage_instead_of_redoing_the_work(
         store, bus, infra: Infra, monkeypatch):
     """The store unreachable when a handler's effects are committed: the commit is retried (the handler is not
