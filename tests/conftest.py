@@ -21,6 +21,7 @@ import sqlalchemy as sa
 from shared.bus import Bus
 from gyre.local import EmbeddedNats, EmbeddedPostgres
 from shared.store import EventStore, async_url, run_migrations
+from tests.suite_layout import pytest_collection_modifyitems, pytest_xdist_make_scheduler  # noqa: F401  (hooks)
 from tests.timing import pytest_addoption, pytest_configure  # noqa: F401  (hooks: the slow tests' times)
 
 
@@ -152,44 +153,3 @@ class RunningRelay:
 
 
 __all__ = ["Infra", "RunningRelay", "async_url", "database_url_for", "drop_bus", "drop_store", "make_bus", "make_store", "unique"]
-
-
-# Test modules that start Docker containers: one worker runs them, so no two of them name a container alike at once.
-DOCKER_MODULES = {"tests/harness/test_sandbox.py", "tests/harness/test_docker_sandbox.py",
-                  "tests/harness/test_task_images.py"}
-# The whole-loop runs (each a `gyre run` or compose project of its own): one worker runs them, one after the other,
-# since two at once would halve each one's cores.
-E2E_MODULES = ("tests/e2e/", "tests/deploy/test_compose_up.py")
-
-
-def worker_group(nodeid: str) -> str:
-    """The group of a test under `make test`'s workers: the whole-loop runs together, the Docker modules together,
-    any other module whole (its module-scoped fixtures, a vLLM engine say, start once)."""
-    module = nodeid.split("::", 1)[0]
-    if module.startswith(E2E_MODULES):
-        return "e2e"
-    return "docker" if module in DOCKER_MODULES else module
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """With `--dist loadgroup`, pytest-xdist's scheduler over `worker_group`'s groups, each group whole on one
-    worker, in the order of the collection (`--no-loadscope-reorder`). Not xdist's own loadgroup: it reads
-    `xdist_group` marks by rewriting a node id attribute pytest 9.2 no longer has, so every test became a group
-    of its own (two whole-loop runs at once)."""
-    if config.getvalue("dist") != "loadgroup":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    class GroupScheduling(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return worker_group(nodeid)
-
-    return GroupScheduling(config, log)
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The whole-loop runs first: they are the longest chain, so on several workers the rest of the suite runs
-    beside them. Tests marked `late` run last among them, in their order: meanwhile the work they wait for (the
-    compose images `make docker` builds in the background) goes on beside the rest of the suite."""
-    items.sort(key=lambda item: (worker_group(item.nodeid) != "e2e", item.get_closest_marker("late") is not None))

@@ -26,7 +26,7 @@ from shared.events import (
 )
 from shared.execution_tokens import derive_execution_token
 from shared.store import EventStore
-from tests.e2e.agent import Agent
+from tests.e2e.agent import Agent, until_the_gateway_routes_to
 
 
 async def main(source: str, target: str) -> dict[str, Any]:
@@ -51,7 +51,8 @@ async def main(source: str, target: str) -> dict[str, Any]:
     try:
         await wait(lambda evs: {e.data.cell_id for e in evs if isinstance(e.data, WeightsLoaded)} >= {source, target},
                    "both workers serving", 900)
-        await asyncio.sleep(3.0)  # the gateway has heard both workers' status beats
+        url = f"http://127.0.0.1:{os.environ['GYRE_ROLLOUT_PORT']}"
+        await until_the_gateway_routes_to(url, {source, target})
         execution_id = execution_id_for("q-kv", 0)
         await append(QueryDispatched(query_id="q-kv", task_id="none", group_size=1, seeds=[7], step=0,
                                      policy_version=0, placements=[source]), "query-q-kv")
@@ -59,7 +60,7 @@ async def main(source: str, target: str) -> dict[str, Any]:
                                       sample_index=0, seed=7, call_budget=100, cell_id=source),
                      stream_id_for("execution", execution_id))
         token = derive_execution_token(os.environ["GYRE_ROLLOUT_TOKEN_SECRET"].encode(), execution_id)
-        agent = Agent(f"http://127.0.0.1:{os.environ['GYRE_ROLLOUT_PORT']}", token,
+        agent = Agent(url, token,
                       os.environ.get("GYRE_ROLLOUT_MODEL_NAME", "gyre-tiny"))
         await agent.call_when_taken_up()
         await append(KvMigrationOrdered(execution_id=execution_id, from_cell=source, to_cell=target,

@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 COMPOSE = shutil.which("docker-compose") or str(Path(sys.executable).parent / "docker-compose")
 STEPS = 2
 
-pytestmark = [pytest.mark.slow, pytest.mark.late, pytest.mark.timeout(2400), needs_docker]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400), needs_docker]
 
 
 class Project:

@@ -38,7 +38,7 @@ STEPS = 3
 NET = "10.77.{}.{}"
 
 pytestmark = [
-    pytest.mark.slow, pytest.mark.late, pytest.mark.timeout(2400),
+    pytest.mark.slow, pytest.mark.timeout(2400),
     # Creating network namespaces is the machine's privilege to give, not the project's (iproute2, which `make
     # setup` installs as root, is then there).
     pytest.mark.skipif(os.geteuid() != 0, reason="creating network namespaces needs root, which this user is not"),
@@ -259,8 +259,12 @@ async def test_a_run_across_three_nodes_sharing_nothing_but_the_bus_survives_los
                              "where type = 'weights.loaded'")
     assert max(int(v) for _, v in loaded) >= STEPS - 1, loaded  # type: ignore[call-overload]
     # ... and at least one of them came over the weights stream from rank 0 on the other node.
-    logs = [p.read_text(errors="replace") for node in (b, c) for p in node.folder.rglob("*.log")]
-    assert any("weights_streamed" in text for text in logs), "no worker pulled weights over the stream"
+    logs = {f"{node.name}/{p.name}": p.read_text(errors="replace")
+            for node in (b, c) for p in node.folder.rglob("*.log")}
+    assert any("weights_streamed" in text for text in logs.values()), \
+        "no worker pulled weights over the stream; how each node's processes moved weights:\n" + "\n".join(
+            f"{name}: {line[:300]}" for name, text in logs.items()
+            for line in text.splitlines() if '"event": "weights_' in line or '"event": "rank_' in line)
     report = json.loads((a.folder / "state" / "runs" / run_id / "report.json").read_text())
     assert [row["step"] for row in report["steps"]] == list(range(STEPS))
     # b and c made their own copies of the run from the bus; neither has another node's folder in its settings.

@@ -42,3 +42,23 @@ class Agent:
                 if time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.5)
+
+
+async def until_the_gateway_routes_to(url: str, workers: set[str], timeout_s: float = 120.0) -> None:
+    """Until the gateway at `url` lists every one of `workers` among the live ones it routes to (its `/healthz`:
+    it learns of a worker from the worker's status beats, a second or so after the worker serves)."""
+    deadline = time.monotonic() + timeout_s
+    seen: set[str] = set()
+    async with httpx.AsyncClient(timeout=5.0) as http:
+        while True:
+            try:
+                seen = {w["worker_id"] for w in (await http.get(f"{url}/healthz")).json()["workers"]}
+            except (httpx.HTTPError, ValueError, KeyError):
+                seen = set()
+            if workers <= seen:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the gateway at {url} routes to {sorted(seen)} after {timeout_s:.0f} s, "
+                                     f"not yet to {sorted(workers - seen)}")
+            await asyncio.sleep(0.25)
+

@@ -35,7 +35,7 @@ from shared.events import (
     stream_id_for,
 )
 from shared.execution_tokens import derive_execution_token
-from tests.e2e.agent import Agent
+from tests.e2e.agent import Agent, until_the_gateway_routes_to
 from tests.e2e.helpers import loop_test_environment
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -81,7 +81,7 @@ async def test_an_ordered_move_carries_the_kv_between_worker_processes_and_a_dea
         start_all(procs, env, tmp_path / "logs")
         await _wait(store, run_id, lambda evs: {e.data.cell_id for e in evs if isinstance(e.data, WeightsLoaded)}
                     >= set(CELLS), "both workers serving", procs, timeout_s=600)
-        await asyncio.sleep(2 * 1.0 + 0.5)  # the gateway has heard both workers' status beats
+        await until_the_gateway_routes_to(url, set(CELLS))
 
         async def start(query_id: str) -> Agent:
             dispatched = QueryDispatched(query_id=query_id, task_id="none", group_size=1, seeds=[7], step=0,
